@@ -1,0 +1,139 @@
+"""The architecture of a Llama-family decoder, independent of how it is parallelised.
+
+One `ModelConfig` describes Llama 2/3, SmolLM2, Mistral (no sliding window), Qwen2 (QKV bias) and
+Qwen3 (QK-norm). It is the single source for three consumers that must agree exactly: the
+Megatron-Core `TransformerConfig` (models/), the sharding rules (parallel/sharding.py) and the
+HF conversion. Numbers that follow from the fields (head_dim, padded vocab) are properties, so a
+config can never hold two values that disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """Llama-3 style RoPE frequency scaling (`rope_scaling` with rope_type "llama3" in HF)."""
+
+    factor: float = 8.0
+    """Ratio between the extended and the original context length."""
+
+    low_freq_factor: float = 1.0
+    """Wavelengths longer than original_max_position / low_freq_factor are divided by `factor`."""
+
+    high_freq_factor: float = 4.0
+    """Wavelengths shorter than original_max_position / high_freq_factor are left unchanged."""
+
+    original_max_position_embeddings: int = 8192
+    """Context length the model was pre-trained with before scaling."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder-only transformer."""
+
+    num_layers: int = 4
+    """Number of transformer blocks."""
+
+    hidden_size: int = 128
+    """Width of the residual stream."""
+
+    ffn_hidden_size: int = 256
+    """Width of each of the SwiGLU gate and up projections."""
+
+    num_attention_heads: int = 4
+    """Number of query heads."""
+
+    num_kv_heads: Optional[int] = None
+    """Number of key/value heads (grouped-query attention). None means equal to the query heads."""
+
+    head_dim: Optional[int] = None
+    """Width of one attention head. None means hidden_size // num_attention_heads."""
+
+    vocab_size: int = 512
+    """Number of real tokens in the tokenizer (before any padding for tensor parallelism)."""
+
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this times the tensor-parallel size."""
+
+    max_position_embeddings: int = 2048
+    """Longest sequence the rotary embedding is built for."""
+
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+
+    rope_scaling: Optional[RopeScalingConfig] = None
+    """Llama-3 RoPE scaling; None for plain RoPE."""
+
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+
+    tie_embeddings: bool = False
+    """Share the input embedding with the output (LM head) weight."""
+
+    qkv_bias: bool = False
+    """Add a bias to the query, key and value projections (Qwen2)."""
+
+    qk_norm: bool = False
+    """RMSNorm each query and key head before RoPE (Qwen3)."""
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads, with None resolved."""
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """Width of one attention head, with None resolved."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def heads_per_kv_group(self) -> int:
+        """Query heads that share one key/value head."""
+        return self.num_attention_heads // self.kv_heads
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        """Vocabulary rows each layout stores: vocab_size rounded up to a multiple of
+        make_vocab_size_divisible_by * tensor_parallel (Megatron's rule)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return -(-self.vocab_size // multiple) * multiple
+
+    def check(self, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> list[str]:
+        """Rules this architecture must meet, alone and at a given layout; returns the broken
+        ones as messages naming the field (an empty list means valid)."""
+        errors = []
+        positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                    "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                errors.append(f"model.{name}={getattr(self, name)} must be positive")
+        if errors:
+            return errors
+        heads, kv = self.num_attention_heads, self.kv_heads
+        if kv <= 0 or heads % kv:
+            errors.append(f"model.num_kv_heads={kv} must divide model.num_attention_heads={heads}")
+        if self.head_dim is None and self.hidden_size % heads:
+            errors.append(f"model.hidden_size={self.hidden_size} must be divisible by "
+                          f"model.num_attention_heads={heads} when model.head_dim is not set")
+        if heads % tensor_parallel:
+            errors.append(f"model.num_attention_heads={heads} must be divisible by "
+                          f"tensor_model_parallel_size={tensor_parallel}")
+        if kv % tensor_parallel and tensor_parallel % kv:
+            errors.append(f"model.num_kv_heads={kv} must divide or be divisible by "
+                          f"tensor_model_parallel_size={tensor_parallel} (KV heads are split, "
+                          "or shared by several TP ranks when fewer than TP)")
+        elif (heads + 2 * kv) * self.kv_channels % tensor_parallel:
+            errors.append(f"the fused QKV rows (num_attention_heads + 2 x num_kv_heads) x head_dim"
+                          f" = {(heads + 2 * kv) * self.kv_channels} must be divisible by "
+                          f"tensor_model_parallel_size={tensor_parallel}")
+        if self.ffn_hidden_size % tensor_parallel:
+            errors.append(f"model.ffn_hidden_size={self.ffn_hidden_size} must be divisible by "
+                          f"tensor_model_parallel_size={tensor_parallel}")
+        if self.num_layers % pipeline_parallel:
+            errors.append(f"model.num_layers={self.num_layers} must be divisible by "
+                          f"pipeline_model_parallel_size={pipeline_parallel}")
+        if self.kv_channels % 2:
+            errors.append(f"head_dim={self.kv_channels} must be even for rotary embeddings")
+        return errors

@@ -1,0 +1,61 @@
+"""How the training world is split: tensor x pipeline x (context) x data parallel.
+
+The data-parallel size is not a field: it is whatever the world size leaves after the model
+parallel dimensions, so it can never disagree with the launcher (`data_parallel_size(world)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Training layout of the actor/critic models over the ranks of one torchrun/srun world."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks that split every layer's matrices (Megatron TP)."""
+
+    pipeline_model_parallel_size: int = 1
+    """Ranks that split the layers into consecutive stages (Megatron PP)."""
+
+    context_parallel_size: int = 1
+    """Ranks that split the sequence (Megatron CP). Reserved: only 1 is supported today."""
+
+    expert_model_parallel_size: int = 1
+    """Ranks that split MoE experts (Megatron EP). Reserved: only 1 is supported today."""
+
+    sequence_parallel: bool = False
+    """Shard activations along the sequence inside TP regions (needs TP > 1)."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one complete copy of the model."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Model replicas in a world of this size."""
+        return world_size // self.model_parallel_size
+
+    def check(self, world_size: int) -> list[str]:
+        """Broken layout rules as messages naming the field (empty when valid)."""
+        errors = []
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "expert_model_parallel_size"):
+            if getattr(self, name) < 1:
+                errors.append(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        if errors:
+            return errors
+        if self.context_parallel_size != 1:
+            errors.append("parallel.context_parallel_size must be 1 (context parallelism is "
+                          "reserved for a later release)")
+        if self.expert_model_parallel_size != 1:
+            errors.append("parallel.expert_model_parallel_size must be 1 (MoE is not supported yet)")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            errors.append("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
+        if world_size % self.model_parallel_size:
+            errors.append(
+                f"world size {world_size} must be divisible by tensor_model_parallel_size x "
+                f"pipeline_model_parallel_size x context_parallel_size = {self.model_parallel_size}")
+        return errors

@@ -1,0 +1,56 @@
+"""Build this rank's stage of a Llama-family Megatron-Core GPTModel, with an LM or scalar head.
+
+Parameters are created on the CPU (`use_cpu_initialization`) with Megatron's own initialisers
+and moved to the rank's device afterwards; real runs overwrite them from a checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ..config import ModelConfig, ParallelConfig
+from .heads import ScalarHead
+from .layer_spec import llama_layer_spec
+from .rope import llama3_scaled_frequencies, rope_inverse_frequencies
+from .transformer_config import megatron_transformer_config
+
+Head = Literal["lm", "scalar"]
+
+
+def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str = "fp32",
+                    head: Head = "lm", device: torch.device | None = None):
+    """The GPTModel stage this rank holds in the current Megatron parallel state.
+
+    head="lm": vocab-parallel logits over `model.padded_vocab_size(tp)` rows.
+    head="scalar": one number per position (critic values, reward-model scores).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if head not in ("lm", "scalar"):
+        raise ValueError(f"head={head!r} must be 'lm' or 'scalar'")
+    config = megatron_transformer_config(model, parallel, precision)
+    post_process = parallel_state.is_pipeline_last_stage()
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=llama_layer_spec(model.qk_norm),
+        vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_embeddings and head == "lm",
+        position_embedding_type="rope",
+        rotary_base=model.rope_theta,
+    )
+    if model.rope_scaling is not None:
+        inv_freq = rope_inverse_frequencies(model.kv_channels, model.rope_theta)
+        gpt.rotary_pos_emb.inv_freq = llama3_scaled_frequencies(inv_freq, model.rope_scaling)
+    if head == "scalar" and post_process:
+        gpt.output_layer = ScalarHead(model.hidden_size, config.params_dtype,
+                                      parallel.sequence_parallel)
+    if device is not None:
+        gpt.to(device)
+    return gpt

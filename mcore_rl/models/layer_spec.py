@@ -1,0 +1,22 @@
+"""Transformer-layer spec: Transformer Engine's fused modules when TE imports, Megatron's local
+modules otherwise. Parameter names differ only in the fused norms (see parallel/sharding.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def transformer_engine_available() -> bool:
+    """True when transformer_engine can be imported (CUDA builds only)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def llama_layer_spec(qk_norm: bool, use_transformer_engine: bool | None = None):
+    """The GPT layer spec for a Llama-family block."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
+    if use_transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")

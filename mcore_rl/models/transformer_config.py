@@ -1,0 +1,59 @@
+"""ModelConfig + layout + precision -> Megatron-Core TransformerConfig.
+
+Kept apart from model construction so that conversion, resharding and inference can build the
+same TransformerConfig without building a model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig, ParallelConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def megatron_transformer_config(model: ModelConfig, parallel: ParallelConfig,
+                                precision: str = "fp32", **overrides):
+    """A TransformerConfig for a Llama-family decoder. `overrides` reach TransformerConfig
+    unchanged (for example recompute settings)."""
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = DTYPES[precision]
+    tp = parallel.tensor_model_parallel_size
+    fields = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.kv_heads,
+        kv_channels=model.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=torch.cuda.is_available(),
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        calculate_per_token_loss=True,
+        variable_seq_lengths=False,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)

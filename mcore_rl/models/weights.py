@@ -1,0 +1,49 @@
+"""Move weights between a built model stage and the canonical full layout (parallel/sharding.py).
+
+`load_full_state` is how every model gets real weights: from an HF conversion, a merged
+checkpoint, or a test's reference tensors. It refuses a state that does not cover exactly the
+parameters this stage holds, naming the missing or unexpected ones, before copying anything.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from ..config import ModelConfig, ParallelConfig
+from ..parallel import sharding
+
+
+def local_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """This stage's parameters under local-spec names (Transformer Engine names mapped)."""
+    return {sharding.canonical_name(name): param for name, param in module.named_parameters()}
+
+
+def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of this stage's parameters, under local-spec names."""
+    return {name: param.detach().cpu().clone() for name, param in local_parameters(module).items()}
+
+
+@torch.no_grad()
+def load_full_state(module: torch.nn.Module, full_state: Mapping[str, torch.Tensor],
+                    model: ModelConfig, parallel: ParallelConfig, head: str = "lm") -> None:
+    """Copy this rank's shards of a canonical full state into the model stage, in place."""
+    from megatron.core import parallel_state
+
+    shards = sharding.shard_full_state(
+        full_state, model, parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size, parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(), head)
+    params = local_parameters(module)
+    missing = sorted(set(params) - set(shards))
+    unexpected = sorted(set(shards) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the model stage: model parameters without a "
+                         f"tensor {missing}, tensors without a parameter {unexpected}")
+    for name, param in params.items():
+        if tuple(param.shape) != tuple(shards[name].shape):
+            raise ValueError(f"tensor '{name}' has shape {tuple(shards[name].shape)}, "
+                             f"the model stage expects {tuple(param.shape)}")
+    for name, param in params.items():
+        param.copy_(shards[name])

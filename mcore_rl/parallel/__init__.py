@@ -1,0 +1,1 @@
+"""Where every parameter lives across tensor- and pipeline-parallel ranks (pure rules)."""

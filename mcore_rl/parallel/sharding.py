@@ -1,0 +1,514 @@
+"""How each Megatron-Core parameter is laid out across tensor- and pipeline-parallel ranks.
+
+Why this module exists
+----------------------
+Every change of layout in the system - HF checkpoint conversion, resharding trained weights into
+vLLM's tensor-parallel layout, merging a distributed checkpoint back into one file - has to
+answer the same questions: which rows of which tensor does rank (tp, pp) hold, under which local
+name? If two of those paths answered differently, weights would be silently permuted (a wrong
+KV head is not an error, just a worse model). So all of them go through the rules written once
+here, and this module is pure (torch only: no torch.distributed, no Megatron imports) so the rules
+can be tested exhaustively in-process.
+
+The canonical full layout
+-------------------------
+"Canonical full" means: Megatron-Core GPTModel parameter names of the *local* layer spec at
+TP=1, PP=1, with GLOBAL layer indices, and the vocabulary UNPADDED (exactly ``vocab_size`` rows).
+With nq query heads, nkv KV heads, head width d, hidden H, FFN width F, vocab V::
+
+    embedding.word_embeddings.weight                      [V, H]             VOCAB
+    decoder.layers.{i}.input_layernorm.weight             [H]                REPLICATED
+    decoder.layers.{i}.self_attention.linear_proj.weight  [H, nq*d]          ROW
+    decoder.layers.{i}.self_attention.linear_qkv.weight   [(nq+2*nkv)*d, H]  QKV
+    decoder.layers.{i}.self_attention.linear_qkv.bias     [(nq+2*nkv)*d]     QKV   (qkv_bias)
+    decoder.layers.{i}.self_attention.q_layernorm.weight  [d]                REPLICATED (qk_norm)
+    decoder.layers.{i}.self_attention.k_layernorm.weight  [d]                REPLICATED (qk_norm)
+    decoder.layers.{i}.pre_mlp_layernorm.weight           [H]                REPLICATED
+    decoder.layers.{i}.mlp.linear_fc1.weight              [2*F, H]           GATE_UP
+    decoder.layers.{i}.mlp.linear_fc2.weight              [H, F]             ROW
+    decoder.final_layernorm.weight                        [H]                REPLICATED
+    output_layer.weight                                   [V, H]             VOCAB (untied only)
+
+Transformer-Engine spec names are accepted everywhere and mapped to these: TE fuses the norms into
+the following linear, so ``...self_attention.linear_qkv.layer_norm_weight`` is
+``...input_layernorm.weight`` and ``...mlp.linear_fc1.layer_norm_weight`` is
+``...pre_mlp_layernorm.weight``. State-dict entries ending in ``_extra_state`` are not parameters.
+
+Tensor-parallel layouts (Megatron's real ones)
+----------------------------------------------
+* QKV, TP=1: for each KV group g: [q heads of group g (nq/nkv heads), k head g, v head g], each
+  head d rows. Query head j belongs to group j // (nq/nkv).
+* QKV, any TP=t: rank r holds the contiguous dim-0 chunk r of the TP=1 layout (the bias likewise)
+  and merging concatenates the chunks; no row is held by two ranks.
+  - nkv % t == 0: the chunk is nkv/t whole groups, and Megatron's forward uses it locally.
+  - t > nkv (t % nkv == 0, (nq + 2*nkv)*d % t == 0): Megatron is still built with
+    num_query_groups = nkv, and a chunk may cut through a group. In forward, Megatron's native
+    path (``get_query_key_value_tensors``) all-gathers the mixed QKV activations along the last
+    dim on every rank, takes group r // (t/nkv), splits it into q heads, k and v, and keeps that
+    group's q heads [s * nq/t, (s + 1) * nq/t) (numbered within the group, s = r % (t/nkv)).
+    No parameter is duplicated, so gradients and gradient norms are exact and there are no KV
+    copies to keep in sync.
+* GATE_UP (fused SwiGLU linear_fc1): TP=1 is cat([gate, up]); rank r holds
+  cat([gate chunk r, up chunk r]) so each rank can apply SwiGLU locally.
+* COLUMN: chunk dim 0. ROW: chunk dim 1 (partial sums are all-reduced).
+* VOCAB: pad [V, H] with zero rows to ``padded_vocab_size(t)``, then chunk dim 0; merging
+  concatenates and drops the padding.
+* REPLICATED: every rank holds the full tensor.
+
+Pipeline layout
+---------------
+Stage p owns global layers [p*L/P, (p+1)*L/P) and numbers them locally from 0. The embedding is on
+stage 0; the final norm and output layer on the last stage. With tied embeddings and P > 1
+Megatron also creates ``output_layer.weight`` on the last stage, a copy of the embedding.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from mcore_rl.config.model import ModelConfig
+
+
+class ShardKind(str, Enum):
+    """How a parameter is divided across tensor-parallel ranks."""
+
+    REPLICATED = "replicated"
+    """Every rank holds the whole tensor (norm weights)."""
+
+    COLUMN = "column"
+    """Output features (dim 0) are chunked."""
+
+    ROW = "row"
+    """Input features (dim 1) are chunked."""
+
+    VOCAB = "vocab"
+    """Vocabulary rows (dim 0) are zero-padded to the TP-padded size, then chunked."""
+
+    QKV = "qkv"
+    """Fused query/key/value rows of the TP=1 per-group layout, chunked plainly along dim 0 (when
+    TP > KV heads a chunk may cut through a group, and Megatron all-gathers the QKV activations in
+    forward to rebuild each rank's group)."""
+
+    GATE_UP = "gate_up"
+    """Fused SwiGLU [gate; up] rows; each rank holds its chunk of both halves."""
+
+
+# --------------------------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------------------------
+
+_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+_TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+"""Transformer-Engine per-layer names (suffix after ``decoder.layers.{i}.``) -> local-spec names."""
+
+
+@dataclass(frozen=True)
+class _ParamRule:
+    """What is known about one parameter name: its sharding and its canonical full shape."""
+
+    kind: ShardKind
+    full_shape: Callable[[ModelConfig], tuple]
+
+
+def _qkv_rows(m: ModelConfig) -> int:
+    """Rows of the fused QKV projection at TP=1: (nq + 2*nkv) * d."""
+    return (m.num_attention_heads + 2 * m.kv_heads) * m.kv_channels
+
+
+_LAYER_RULES: dict[str, _ParamRule] = {
+    "input_layernorm.weight": _ParamRule(ShardKind.REPLICATED, lambda m: (m.hidden_size,)),
+    "self_attention.linear_proj.weight": _ParamRule(
+        ShardKind.ROW, lambda m: (m.hidden_size, m.num_attention_heads * m.kv_channels)),
+    "self_attention.linear_qkv.weight": _ParamRule(
+        ShardKind.QKV, lambda m: (_qkv_rows(m), m.hidden_size)),
+    "self_attention.linear_qkv.bias": _ParamRule(ShardKind.QKV, lambda m: (_qkv_rows(m),)),
+    "self_attention.q_layernorm.weight": _ParamRule(
+        ShardKind.REPLICATED, lambda m: (m.kv_channels,)),
+    "self_attention.k_layernorm.weight": _ParamRule(
+        ShardKind.REPLICATED, lambda m: (m.kv_channels,)),
+    "pre_mlp_layernorm.weight": _ParamRule(ShardKind.REPLICATED, lambda m: (m.hidden_size,)),
+    "mlp.linear_fc1.weight": _ParamRule(
+        ShardKind.GATE_UP, lambda m: (2 * m.ffn_hidden_size, m.hidden_size)),
+    "mlp.linear_fc2.weight": _ParamRule(
+        ShardKind.ROW, lambda m: (m.hidden_size, m.ffn_hidden_size)),
+}
+"""Per-layer parameters, keyed by the name after ``decoder.layers.{i}.``."""
+
+_GLOBAL_RULES: dict[str, _ParamRule] = {
+    "embedding.word_embeddings.weight": _ParamRule(
+        ShardKind.VOCAB, lambda m: (m.vocab_size, m.hidden_size)),
+    "decoder.final_layernorm.weight": _ParamRule(ShardKind.REPLICATED, lambda m: (m.hidden_size,)),
+    "output_layer.weight": _ParamRule(ShardKind.VOCAB, lambda m: (m.vocab_size, m.hidden_size)),
+    "output_layer.scalar_weight": _ParamRule(ShardKind.REPLICATED, lambda m: (1, m.hidden_size)),
+}
+"""Parameters outside the transformer layers, keyed by full name."""
+
+EMBEDDING = "embedding.word_embeddings.weight"
+"""Canonical name of the input embedding (also the source of a tied output layer)."""
+
+OUTPUT_LAYER = "output_layer.weight"
+"""Name of the LM head weight."""
+
+SCALAR_HEAD = "output_layer.scalar_weight"
+"""Name of the scalar (value / reward) head weight that replaces the LM head (models/heads.py)."""
+
+HEADS = ("lm", "scalar")
+"""Output heads: "lm" (vocabulary logits) or "scalar" (one number per position)."""
+
+FINAL_NORM = "decoder.final_layernorm.weight"
+"""Name of the norm after the last layer."""
+
+
+def is_parameter_name(name: str) -> bool:
+    """False for state-dict entries that are not parameters (Transformer-Engine/FP8
+    ``_extra_state`` buffers); True otherwise."""
+    return not name.endswith("_extra_state")
+
+
+def canonical_name(name: str) -> str:
+    """The local-spec spelling of a parameter name: Transformer-Engine fused-norm names are mapped
+    to the norm they stand for; every other name is returned unchanged. Layer indices are kept."""
+    match = _LAYER_PREFIX.match(name)
+    if match and match.group(2) in _TE_ALIASES:
+        return f"decoder.layers.{match.group(1)}.{_TE_ALIASES[match.group(2)]}"
+    return name
+
+
+def _rule(name: str) -> _ParamRule:
+    """The rule for a (local or global, local-spec or TE) parameter name; ValueError if unknown."""
+    name = canonical_name(name)
+    match = _LAYER_PREFIX.match(name)
+    rule = _LAYER_RULES.get(match.group(2)) if match else _GLOBAL_RULES.get(name)
+    if rule is None:
+        raise ValueError(f"unknown parameter {name!r}: no sharding rule for it")
+    return rule
+
+
+def _layer_index(name: str) -> int | None:
+    """The layer index in ``decoder.layers.{i}.*`` names, None for non-layer names."""
+    match = _LAYER_PREFIX.match(name)
+    return int(match.group(1)) if match else None
+
+
+def _with_layer_index(name: str, index: int) -> str:
+    """``name`` (a ``decoder.layers.{i}.*`` name) with its layer index replaced."""
+    return _LAYER_PREFIX.sub(lambda m: f"decoder.layers.{index}.{m.group(2)}", name)
+
+
+def shard_kind(name: str) -> ShardKind:
+    """How the parameter called ``name`` is split across TP ranks. Accepts local or global layer
+    indices and Transformer-Engine names; raises ValueError naming the parameter if unknown."""
+    return _rule(name).kind
+
+
+def full_shape(name: str, model: ModelConfig) -> tuple:
+    """Shape of the parameter in the canonical full layout (TP=1, vocab unpadded)."""
+    return tuple(_rule(name).full_shape(model))
+
+
+def canonical_param_shapes(model: ModelConfig, head: str = "lm") -> dict[str, tuple]:
+    """Every parameter of the canonical full model -> its shape, in the order of Megatron's
+    ``named_parameters()`` at TP=1, PP=1 (embedding, layers, final norm, then the untied LM head
+    or the scalar head)."""
+    if head not in HEADS:
+        raise ValueError(f"head={head!r} must be one of {HEADS}")
+    shapes = {EMBEDDING: full_shape(EMBEDDING, model)}
+    for layer in range(model.num_layers):
+        for suffix in _LAYER_RULES:
+            if suffix.endswith("linear_qkv.bias") and not model.qkv_bias:
+                continue
+            if suffix.endswith(("q_layernorm.weight", "k_layernorm.weight")) and not model.qk_norm:
+                continue
+            name = f"decoder.layers.{layer}.{suffix}"
+            shapes[name] = full_shape(name, model)
+    shapes[FINAL_NORM] = full_shape(FINAL_NORM, model)
+    if head == "scalar":
+        shapes[SCALAR_HEAD] = full_shape(SCALAR_HEAD, model)
+    elif not model.tie_embeddings:
+        shapes[OUTPUT_LAYER] = full_shape(OUTPUT_LAYER, model)
+    return shapes
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor parallelism
+# --------------------------------------------------------------------------------------------
+
+def _check_layout(model: ModelConfig, tp_size: int, pp_size: int = 1) -> None:
+    """Raise ValueError if the model cannot be laid out at this TP/PP size."""
+    if tp_size < 1 or pp_size < 1:
+        raise ValueError(f"parallel sizes must be positive, got tp_size={tp_size}, "
+                         f"pp_size={pp_size}")
+    errors = model.check(tp_size, pp_size)
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
+def _check_rank(rank: int, size: int, what: str) -> None:
+    """Raise ValueError unless 0 <= rank < size."""
+    if not 0 <= rank < size:
+        raise ValueError(f"{what}={rank} is outside [0, {size})")
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple, what: str) -> None:
+    """Raise ValueError naming the tensor and both shapes if ``tensor`` is not ``expected``."""
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"{what} {name!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(expected)}")
+
+
+def local_shape(name: str, model: ModelConfig, tp_size: int) -> tuple:
+    """Shape of one TP rank's shard of parameter ``name`` (the same on every rank)."""
+    shape = list(full_shape(name, model))
+    kind = shard_kind(name)
+    if kind is ShardKind.VOCAB:
+        shape[0] = model.padded_vocab_size(tp_size) // tp_size
+    elif kind in (ShardKind.COLUMN, ShardKind.GATE_UP, ShardKind.QKV):
+        shape[0] //= tp_size
+    elif kind is ShardKind.ROW:
+        shape[1] //= tp_size
+    return tuple(shape)
+
+
+def _pad_vocab(full: torch.Tensor, model: ModelConfig, tp_size: int) -> torch.Tensor:
+    """``full`` ([V, H]) followed by zero rows up to ``padded_vocab_size(tp_size)`` rows."""
+    padding = model.padded_vocab_size(tp_size) - full.shape[0]
+    return torch.cat([full, full.new_zeros((padding, *full.shape[1:]))], dim=0)
+
+
+def _split_gate_up(full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s fused fc1 shard: cat([gate chunk, up chunk])."""
+    gate, up = full.chunk(2, dim=0)
+    return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]])
+
+
+def _merge_gate_up(shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `_split_gate_up`: all gate halves, then all up halves."""
+    halves = [shard.chunk(2, dim=0) for shard in shards]
+    return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim=0)
+
+
+def split_for_tp(name: str, full: torch.Tensor, model: ModelConfig, tp_size: int,
+                 tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s shard (contiguous) of the canonical full tensor ``full`` of parameter
+    ``name``. Raises ValueError naming the parameter if ``full`` has the wrong shape."""
+    _check_layout(model, tp_size)
+    _check_rank(tp_rank, tp_size, "tp_rank")
+    _check_shape(name, full, full_shape(name, model), "full tensor")
+    kind = shard_kind(name)
+    if kind is ShardKind.REPLICATED:
+        shard = full
+    elif kind is ShardKind.COLUMN:
+        shard = full.chunk(tp_size, dim=0)[tp_rank]
+    elif kind is ShardKind.ROW:
+        shard = full.chunk(tp_size, dim=1)[tp_rank]
+    elif kind is ShardKind.VOCAB:
+        shard = _pad_vocab(full, model, tp_size).chunk(tp_size, dim=0)[tp_rank]
+    elif kind is ShardKind.GATE_UP:
+        shard = _split_gate_up(full, tp_size, tp_rank)
+    else:  # COLUMN and QKV
+        shard = full.chunk(tp_size, dim=0)[tp_rank]
+    return shard.contiguous()
+
+
+def merge_from_tp(name: str, shards: Sequence[torch.Tensor], model: ModelConfig, tp_size: int,
+                  check_replicas: bool = False) -> torch.Tensor:
+    """The canonical full tensor of parameter ``name`` from its ``tp_size`` shards (in TP rank
+    order). With ``check_replicas``, replicated tensors (norms) must agree across ranks. Raises
+    ValueError naming the parameter on a wrong shard count or shape."""
+    _check_layout(model, tp_size)
+    if len(shards) != tp_size:
+        raise ValueError(f"{name!r}: got {len(shards)} shards for tp_size={tp_size}")
+    expected = local_shape(name, model, tp_size)
+    for rank, shard in enumerate(shards):
+        _check_shape(name, shard, expected, f"TP rank {rank} shard of")
+    kind = shard_kind(name)
+    if kind is ShardKind.REPLICATED:
+        if check_replicas:
+            for rank, shard in enumerate(shards[1:], start=1):
+                if not torch.equal(shard, shards[0]):
+                    raise ValueError(f"replicated {name!r} differs between TP rank 0 and {rank}")
+        full = shards[0]
+    elif kind is ShardKind.ROW:
+        full = torch.cat(list(shards), dim=1)
+    elif kind is ShardKind.VOCAB:
+        full = torch.cat(list(shards), dim=0)[: model.vocab_size]
+    elif kind is ShardKind.GATE_UP:
+        full = _merge_gate_up(shards)
+    else:  # COLUMN and QKV
+        full = torch.cat(list(shards), dim=0)
+    return full.contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline parallelism
+# --------------------------------------------------------------------------------------------
+
+def layers_per_stage(model: ModelConfig, pp_size: int) -> int:
+    """Transformer layers on each pipeline stage (layers are split evenly)."""
+    if pp_size < 1 or model.num_layers % pp_size:
+        raise ValueError(f"model.num_layers={model.num_layers} must be divisible by "
+                         f"pipeline_model_parallel_size={pp_size}")
+    return model.num_layers // pp_size
+
+
+def stage_of_layer(global_layer: int, model: ModelConfig, pp_size: int) -> tuple[int, int]:
+    """(pipeline stage, local layer index) holding global layer ``global_layer``."""
+    if not 0 <= global_layer < model.num_layers:
+        raise ValueError(f"layer {global_layer} is outside [0, {model.num_layers})")
+    per_stage = layers_per_stage(model, pp_size)
+    return global_layer // per_stage, global_layer % per_stage
+
+
+def _stage_of_global_param(name: str, pp_size: int) -> int:
+    """Pipeline stage that owns non-layer parameter ``name`` (embedding first, head last)."""
+    _rule(name)  # raises for unknown names
+    return 0 if name.startswith("embedding.") else pp_size - 1
+
+
+def to_global_name(local_name: str, pp_rank: int, model: ModelConfig, pp_size: int) -> str:
+    """The global-index name of ``local_name`` as it appears on stage ``pp_rank``. Only layer
+    indices change; the spelling (local spec or TE) is kept."""
+    per_stage = layers_per_stage(model, pp_size)
+    _check_rank(pp_rank, pp_size, "pp_rank")
+    _rule(local_name)
+    local = _layer_index(local_name)
+    if local is None:
+        owner = _stage_of_global_param(local_name, pp_size)
+        if owner != pp_rank:
+            raise ValueError(f"{local_name!r} lives on pipeline stage {owner}, not {pp_rank}")
+        return local_name
+    if local >= per_stage:
+        raise ValueError(f"{local_name!r}: local layer {local} is outside [0, {per_stage}) on "
+                         f"pipeline stage {pp_rank}")
+    return _with_layer_index(local_name, pp_rank * per_stage + local)
+
+
+def to_local_name(global_name: str, model: ModelConfig, pp_size: int) -> tuple[int, str]:
+    """(pipeline stage, local name) of the global-index name ``global_name``. For a tied model's
+    ``output_layer.weight`` this is its last-stage copy."""
+    _rule(global_name)
+    layer = _layer_index(global_name)
+    if layer is None:
+        return _stage_of_global_param(global_name, pp_size), global_name
+    pp_rank, local = stage_of_layer(layer, model, pp_size)
+    return pp_rank, _with_layer_index(global_name, local)
+
+
+def has_tied_output_copy(model: ModelConfig, pp_size: int, pp_rank: int,
+                         head: str = "lm") -> bool:
+    """True on the stage where Megatron keeps ``output_layer.weight`` as a copy of the embedding
+    (LM head, tied embeddings, more than one stage, last stage)."""
+    return head == "lm" and model.tie_embeddings and pp_size > 1 and pp_rank == pp_size - 1
+
+
+def stage_params(model: ModelConfig, pp_size: int, pp_rank: int,
+                 head: str = "lm") -> dict[str, str]:
+    """Local parameter names on pipeline stage ``pp_rank`` (in Megatron's named_parameters order)
+    -> the canonical full name each comes from. With tied embeddings and P > 1, the last stage's
+    ``output_layer.weight`` maps to ``embedding.word_embeddings.weight``."""
+    layers_per_stage(model, pp_size)
+    _check_rank(pp_rank, pp_size, "pp_rank")
+    params = {}
+    for name in canonical_param_shapes(model, head):
+        owner, local = to_local_name(name, model, pp_size)
+        if owner == pp_rank:
+            params[local] = name
+    if has_tied_output_copy(model, pp_size, pp_rank, head):
+        params[OUTPUT_LAYER] = EMBEDDING
+    return params
+
+
+# --------------------------------------------------------------------------------------------
+# Whole state dicts
+# --------------------------------------------------------------------------------------------
+
+def _canonical_state(state: Mapping[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """``state`` without non-parameter entries and with TE names mapped to local-spec names;
+    ValueError if two entries map to the same name."""
+    result = {}
+    for name, tensor in state.items():
+        if not is_parameter_name(name):
+            continue
+        key = canonical_name(name)
+        if key in result:
+            raise ValueError(f"{where}: {name!r} and another entry both name {key!r}")
+        result[key] = tensor
+    return result
+
+
+def shard_full_state(full_state: Mapping[str, torch.Tensor], model: ModelConfig, tp_size: int,
+                     pp_size: int, tp_rank: int, pp_rank: int,
+                     head: str = "lm") -> dict[str, torch.Tensor]:
+    """The local state (local names -> contiguous shards) of rank (tp_rank, pp_rank), cut from a
+    canonical full state. ``full_state`` may hold only some parameters, but must hold every one
+    this stage needs and nothing that is not a parameter of this model."""
+    _check_layout(model, tp_size, pp_size)
+    _check_rank(tp_rank, tp_size, "tp_rank")
+    _check_rank(pp_rank, pp_size, "pp_rank")
+    state = _canonical_state(full_state, "full state")
+    known = canonical_param_shapes(model, head)
+    unknown = [name for name in state if name not in known]
+    if unknown:
+        raise ValueError(f"full state holds names that are not parameters of this model: {unknown}")
+    local_state = {}
+    for local, source in stage_params(model, pp_size, pp_rank, head).items():
+        if source not in state:
+            raise ValueError(f"full state is missing {source!r} (needed as {local!r} on "
+                             f"pipeline stage {pp_rank})")
+        local_state[local] = split_for_tp(source, state[source], model, tp_size, tp_rank)
+    return local_state
+
+
+def _stage_states(shards_by_rank: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
+                  model: ModelConfig, tp_size: int, pp_size: int, pp_rank: int,
+                  head: str) -> list[dict[str, torch.Tensor]]:
+    """The canonicalised local states of every TP rank of stage ``pp_rank``, checked to hold
+    exactly the stage's parameters."""
+    expected = stage_params(model, pp_size, pp_rank, head)
+    states = []
+    for tp_rank in range(tp_size):
+        where = f"rank (tp={tp_rank}, pp={pp_rank})"
+        state = _canonical_state(shards_by_rank[(tp_rank, pp_rank)], where)
+        missing = [name for name in expected if name not in state]
+        extra = [name for name in state if name not in expected]
+        if missing or extra:
+            raise ValueError(f"{where}: missing parameters {missing}, unexpected {extra}")
+        states.append(state)
+    return states
+
+
+def merge_shards(shards_by_rank: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
+                 model: ModelConfig, tp_size: int, pp_size: int,
+                 check_replicas: bool = False, head: str = "lm") -> dict[str, torch.Tensor]:
+    """The canonical full state from every rank's local state, keyed by (tp_rank, pp_rank).
+    A tied model's last-stage output-layer copy is dropped (compared with the embedding when
+    ``check_replicas``). The result is ordered like `canonical_param_shapes`."""
+    _check_layout(model, tp_size, pp_size)
+    grid = {(tp, pp) for tp in range(tp_size) for pp in range(pp_size)}
+    if set(shards_by_rank) != grid:
+        raise ValueError(f"expected shards for every (tp_rank, pp_rank) in a {tp_size}x{pp_size} "
+                         f"grid, got {sorted(shards_by_rank)}")
+    merged = {}
+    tied_copy = None
+    for pp_rank in range(pp_size):
+        states = _stage_states(shards_by_rank, model, tp_size, pp_size, pp_rank, head)
+        for local, source in stage_params(model, pp_size, pp_rank, head).items():
+            full = merge_from_tp(source, [state[local] for state in states], model, tp_size,
+                                 check_replicas)
+            if local == OUTPUT_LAYER and source == EMBEDDING:
+                tied_copy = full
+            else:
+                merged[source] = full
+    if check_replicas and tied_copy is not None and not torch.equal(tied_copy, merged[EMBEDDING]):
+        raise ValueError(f"tied {OUTPUT_LAYER!r} on the last pipeline stage differs from "
+                         f"{EMBEDDING!r} on the first")
+    return {name: merged[name] for name in canonical_param_shapes(model, head)}

@@ -1,0 +1,172 @@
+"""The one place where third-party behaviour is patched: Megatron-Core on machines without CUDA.
+
+Why this exists: Megatron-Core assumes a GPU in a handful of places that have nothing to do with the
+math (device="cuda" defaults, `torch.cuda.current_device()` as an allocation device, stream and
+synchronize calls, the CUDA RNG tracker, and `Tensor.type()` checks for 'torch.cuda.*Tensor').
+Redirecting exactly those to the CPU lets the *same* model, schedule, DDP and optimizer code run
+on gloo with fp32 tiny models, so CI exercises the real code paths instead of mocks.
+
+Rules kept here:
+- `apply()` is called once at start-up by `runtime.distributed` and only when CUDA is absent;
+  with CUDA present it refuses, so no GPU run can ever be altered by this module.
+- Every patch is listed in `PATCHES` with the Megatron call site that needs it; `is_applied()`
+  and the tests use that list.
+- Nothing else in the project may patch torch, megatron or any other library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+PATCHES = {
+    "torch.cuda.current_device": "allocation device in p2p_communication, param_and_grad_buffer",
+    "torch.cuda.synchronize": "p2p_communication, DDP buffer start/free",
+    "torch.cuda.empty_cache": "optimizer and DDP buffer release",
+    "torch.cuda.Stream / stream / default_stream": "DDP overlapped grad reduce",
+    "torch.cuda.Event": "timers and inference engine",
+    "torch.cuda.memory_stats / memory_allocated / max_memory_allocated": "memory reports",
+    "torch.cuda.get_rng_state / set_rng_state / manual_seed": "CudaRNGStatesTracker.add, seeding",
+    "megatron tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state": "tracker fork",
+    "device='cuda' arguments and Tensor.cuda()": "causal masks, loss counters (TorchFunctionMode)",
+    "Tensor.type() -> 'torch.cuda.*Tensor'": "optimizer dtype checks (TorchFunctionMode)",
+}
+
+_applied = False
+_mode: "_CudaToCpuMode | None" = None
+
+
+def is_applied() -> bool:
+    """Whether the CPU compatibility layer is active in this process."""
+    return _applied
+
+
+def apply() -> None:
+    """Redirect Megatron-Core's CUDA-only calls to the CPU. Idempotent; refuses with CUDA present."""
+    global _applied, _mode
+    if _applied:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("mcore_rl.runtime.cpu_compat.apply() called with CUDA available; "
+                           "the CPU compatibility layer is only for machines without a GPU")
+    _patch_torch_cuda()
+    _patch_megatron_rng()
+    _mode = _CudaToCpuMode()
+    _mode.__enter__()
+    _applied = True
+
+
+class _NoOpStream:
+    """Stands in for torch.cuda.Stream: on the CPU all work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+
+class _CpuEvent:
+    """Stands in for torch.cuda.Event, measuring wall time on the CPU."""
+
+    def __init__(self, enable_timing: bool = False, **kwargs):
+        self._time = None
+
+    def record(self, stream=None) -> None:
+        self._time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_CpuEvent") -> float:
+        return (end._time - self._time) * 1000.0
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _NoOpStream
+    cuda.Event = _CpuEvent
+    cuda.current_stream = lambda device=None: _NoOpStream()
+    cuda.default_stream = lambda device=None: _NoOpStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.memory_stats = lambda device=None: {}
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+
+
+def _patch_megatron_rng() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mcore_random._get_cuda_rng_state = get_state
+    mcore_random._set_cuda_rng_state = set_state
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites device='cuda' (or a CUDA index) to the CPU, makes Tensor.cuda() a no-op,
+    drops pin_memory, and answers Tensor.type() with the CUDA type names Megatron checks for."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _CUDA_TYPE_NAMES.get(args[0].dtype, args[0].type())
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+

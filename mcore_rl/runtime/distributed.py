@@ -1,0 +1,111 @@
+"""Start-up and shutdown of every rank: process group, Megatron parallel state, seeds.
+
+Every rank calls `initialize()` with the same validated config (SPMD: no driver process). It
+picks NCCL with CUDA and gloo without, applies the CPU compatibility layer only when CUDA is
+absent, sets a timeout on every process group so that a dead or stuck rank turns into an error
+on the others instead of a hang, and seeds Python, NumPy, torch and Megatron's RNG tracker.
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import JobConfig, validate
+from .launch_env import LaunchEnv, read_launch_env
+from .log import quiet_known_warnings
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a rank knows about the started world."""
+
+    launch: LaunchEnv
+    """Rank, world size and rendezvous as the launcher set them."""
+
+    backend: str
+    """torch.distributed backend in use (nccl or gloo)."""
+
+    device: torch.device
+    """Device this rank computes on."""
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+
+def choose_backend(requested: str) -> str:
+    """nccl with CUDA, gloo without, unless the config names one."""
+    if requested != "auto":
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize(config: JobConfig, launch: LaunchEnv | None = None) -> Runtime:
+    """Validate the config for this world, then start torch.distributed, Megatron's parallel
+    state and the RNGs. Idempotent guard: raises if a process group already exists."""
+    quiet_known_warnings()
+    launch = launch or read_launch_env()
+    validate(config, launch.world_size)
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized; call shutdown() first")
+    if not torch.cuda.is_available():
+        from . import cpu_compat
+        cpu_compat.apply()
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(launch.local_rank)
+        device = torch.device("cuda", launch.local_rank)
+    backend = choose_backend(config.runtime.backend)
+    timeout = datetime.timedelta(minutes=config.runtime.collective_timeout_minutes)
+    dist.init_process_group(backend=backend, init_method=f"tcp://{launch.master_addr}:"
+                            f"{launch.master_port}", rank=launch.rank,
+                            world_size=launch.world_size, timeout=timeout)
+    _initialize_megatron(config)
+    seed_everything(config.runtime.seed)
+    return Runtime(launch=launch, backend=backend, device=device)
+
+
+def _initialize_megatron(config: JobConfig) -> None:
+    from megatron.core import parallel_state
+
+    parallel = config.parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        distributed_timeout_minutes=config.runtime.collective_timeout_minutes,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every generator. Megatron's tracker gets seed (data-parallel stream) and
+    seed + 2718 + tp_rank (tensor-parallel stream), so TP ranks draw different dropout masks."""
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    """Tear down Megatron's groups and the process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+

@@ -1,0 +1,36 @@
+"""Console output for SPMD jobs: rank-0 printing and silencing warnings every rank repeats."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch.distributed as dist
+
+# Megatron-Core announces every optional fused kernel it falls back from, on every rank.
+KNOWN_WARNINGS = (
+    "Apex is not installed",
+    "Transformer Engine and Apex are not installed",
+    "full scope is deprecated",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    # Megatron's distributed optimizer probes .grad on its fp32 shard views.
+    "is not a leaf Tensor is being accessed",
+    # torch 2.13 renamed the collectives Megatron's buffers call.
+    "is deprecated. Please use `torch.distributed",
+)
+
+
+def quiet_known_warnings() -> None:
+    """Hide the harmless warnings listed in KNOWN_WARNINGS (idempotent)."""
+    for text in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=f".*{text}.*")
+
+
+def is_rank0() -> bool:
+    """True on global rank 0 or outside a distributed job."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print0(*args, **kwargs) -> None:
+    """print() on global rank 0 only, flushed (logs of many ranks stay readable)."""
+    if is_rank0():
+        print(*args, **kwargs, flush=True)

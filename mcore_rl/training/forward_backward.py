@@ -1,0 +1,142 @@
+"""Forward and forward-backward passes through Megatron's pipeline schedules.
+
+`compute_outputs` runs forward-only and returns per-token outputs (log-probs and entropy for an
+LM head, values for a scalar head) on every rank of the model-parallel group: the last pipeline
+stage computes them and broadcasts them to the other stages, so SPMD code after it can treat
+all ranks alike. `train_step` runs forward-backward and one optimizer step.
+
+Losses are global means by construction: a loss function returns a numerator and an integer
+denominator per micro-batch; Megatron (`calculate_per_token_loss`) sums the denominators over
+micro-batches and data-parallel ranks and divides the summed gradients by that total. A
+token-mean, a sequence-mean or any other aggregation is exact whatever the layout.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..models.logprobs import vocab_parallel_logprobs_and_entropy
+from .batches import Batch, align_to_tokens, check_batch, split_micro_batches
+from .optimizer import TrainableModel
+
+LossFn = Callable[[dict, Batch], tuple]
+"""(outputs: per-token tensors [b, s], micro_batch) -> (numerator, denominator, metrics)."""
+
+
+def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
+                       vocab_size: int) -> dict:
+    """Megatron's last-stage output [b, s, v_local or 1] -> token-aligned [b, s] tensors."""
+    from megatron.core import parallel_state
+
+    mask = micro_batch["attention_mask"]
+    if head == "scalar":
+        return {"values": align_to_tokens(output.squeeze(-1).float(), mask)}
+    next_tokens = torch.roll(micro_batch["input_ids"], shifts=-1, dims=1)
+    logprobs, entropy = vocab_parallel_logprobs_and_entropy(
+        output, next_tokens, vocab_size, parallel_state.get_tensor_model_parallel_group())
+    return {"logprobs": align_to_tokens(logprobs, mask), "entropy": align_to_tokens(entropy, mask)}
+
+
+def _forward_step(head: str, vocab_size: int, loss_fn: LossFn | None, data_iterator, model):
+    micro_batch = next(data_iterator)
+    input_ids = micro_batch["input_ids"]
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    output = model(input_ids, positions, attention_mask=None)
+
+    def loss_func(output_tensor, non_loss_data: bool = False):
+        outputs = _per_token_outputs(output_tensor, micro_batch, head, vocab_size)
+        if non_loss_data:
+            return {name: tensor.detach() for name, tensor in outputs.items()}
+        numerator, denominator, metrics = loss_fn(outputs, micro_batch)
+        metrics = dict(metrics, loss_numerator=numerator.detach(),
+                       loss_denominator=torch.as_tensor(denominator, dtype=torch.float32))
+        return numerator, torch.as_tensor(denominator, dtype=torch.int), metrics
+
+    return output, loss_func
+
+
+def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_size: int,
+                  loss_fn: LossFn | None, forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for micro_batch in micro_batches:
+        check_batch(micro_batch)
+    batch_size, seq_length = micro_batches[0]["input_ids"].shape
+    return get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, head, vocab_size, loss_fn),
+        data_iterator=iter(micro_batches),
+        model=chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=batch_size,
+        forward_only=forward_only,
+        collect_non_loss_data=forward_only,
+    )
+
+
+def _broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    if tensor is None:
+        tensor = torch.empty(shape, dtype=torch.float32, device=device)
+    dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
+    return tensor
+
+
+@torch.no_grad()
+def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str = "lm",
+                    vocab_size: int | None = None) -> dict:
+    """Forward-only per-token outputs for this rank's rows of `batch` (all PP stages get them).
+    head="lm" gives {'logprobs', 'entropy'}; head="scalar" gives {'values'}; each [n, s] fp32."""
+    from megatron.core import parallel_state
+
+    for chunk in chunks:
+        chunk.eval()
+    micro_batches = split_micro_batches(batch, micro_batch_size)
+    per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, None, True)
+    names = ("values",) if head == "scalar" else ("logprobs", "entropy")
+    shape = tuple(batch["input_ids"].shape)
+    last_stage = parallel_state.is_pipeline_last_stage()
+    results = {}
+    for name in names:
+        local = torch.cat([out[name] for out in per_micro_batch]) if last_stage else None
+        results[name] = _broadcast_from_last_stage(local, shape, batch["input_ids"].device)
+    return results
+
+
+def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
+               head: str = "lm", vocab_size: int | None = None) -> dict:
+    """One optimizer step on this rank's rows of `batch`. Returns metrics identical on every
+    rank: the global loss (sum of numerators / sum of denominators over DP), grad norm, LR, and
+    whether the update was skipped (non-finite gradients)."""
+    from megatron.core import parallel_state
+
+    for chunk in model.chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    model.optimizer.zero_grad()
+    micro_batches = split_micro_batches(batch, micro_batch_size)
+    per_micro_batch = _run_schedule(model.chunks, micro_batches, head, vocab_size, loss_fn, False)
+    updated, grad_norm, _ = model.optimizer.step()
+    if updated:
+        model.scheduler.step(increment=1)
+    totals = torch.zeros(2, dtype=torch.float64, device=batch["input_ids"].device)
+    if parallel_state.is_pipeline_last_stage():
+        for metrics in per_micro_batch:
+            totals[0] += metrics["loss_numerator"].double()
+            totals[1] += metrics["loss_denominator"].double()
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    totals = _broadcast_from_last_stage(totals, (2,), totals.device)
+    return {
+        "loss": (totals[0] / totals[1].clamp(min=1)).item(),
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "lr": model.optimizer.param_groups[0]["lr"],
+        "update_skipped": not updated,
+    }

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install mcore_rl and its pinned dependencies into ./.venv (idempotent; used by CI, the README
+# and the quickstart). CPU machines get torch 2.13.0 first so no later requirement can pull a
+# CUDA build; GPU clusters should install from the NGC image instead (docker/).
+#
+#   bash scripts/install.sh            # creates .venv and installs mcore_rl[test]
+#   VENV=/path/to/env bash scripts/install.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+CONSTRAINTS=requirements/constraints-cpu.txt
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+pip_install() { "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@"; }
+
+pip_install "torch==2.13.0"
+pip_install -c "$CONSTRAINTS" -e ".[test]"
+"$VENV/bin/python" - <<'PY'
+import torch
+assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__} was installed over 2.13.0"
+import megatron.core
+print(f"installed: torch {torch.__version__}, megatron-core {megatron.core.__version__}")
+PY

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Launch an mcore_rl job on this node with torchrun: every rank runs `python -m mcore_rl "$@"`.
+#
+#   scripts/torchrun.sh smoke --config configs/smoke.yaml [key=value ...]
+#
+# One node (defaults) or many (run the same command on every node with NODE_RANK set):
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 NPROC_PER_NODE=8 scripts/torchrun.sh ...
+#
+# Environment (all optional):
+#   NPROC_PER_NODE  processes on this node (default: GPUs visible, else 4 CPU ranks)
+#   NNODES          nodes in the job (default 1)
+#   NODE_RANK       this node's index (default 0)
+#   MASTER_ADDR     host of node 0 (default 127.0.0.1)
+#   MASTER_PORT     rendezvous port on node 0 (default 29500)
+#   OMP_NUM_THREADS threads per rank (default 1: more oversubscribes small CPU machines)
+#   PYTHON          interpreter (default python3)
+#   TORCHRUN_ARGS   extra torchrun flags, e.g. "--max-restarts 3"
+set -euo pipefail
+
+if [ "$#" -eq 0 ]; then
+  sed -n '2,17p' "$0" >&2
+  exit 2
+fi
+
+PYTHON=${PYTHON:-python3}
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  NPROC_PER_NODE=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 4)')
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+
+# shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of flags
+exec "$PYTHON" -m torch.distributed.run \
+  --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+  ${TORCHRUN_ARGS:-} \
+  -m mcore_rl "$@"

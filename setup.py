@@ -1,0 +1,32 @@
+"""mcore_rl: RL post-training (PPO, GRPO and relatives) for LLMs on Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="mcore_rl",
+    version="0.1.0",
+    description="Reinforcement-learning post-training for LLMs on Megatron-Core, SPMD with vLLM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mcore_rl", "mcore_rl.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.20",
+        "numpy",
+        "safetensors",
+        "transformers",
+        "sentencepiece",
+        "tensorboard",
+        "tqdm",
+        "omegaconf>=2.3",
+        "pyyaml",
+        "psutil",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        "vllm": ["vllm"],
+        "te": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli:main"]},
+)

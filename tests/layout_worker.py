@@ -1,0 +1,116 @@
+"""What one rank of a layout-invariance world does (run by tests/test_layout_invariance.py).
+
+Every layout loads the same reference weights, computes per-token outputs for the same batch,
+takes one optimizer step, and rank 0 saves the outputs and the merged updated weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import (BatchConfig, JobConfig, ModelConfig, OptimizerConfig,
+                             ParallelConfig, RuntimeConfig)
+from mcore_rl.models import build_gpt_model, load_full_state, local_state
+from mcore_rl.parallel import sharding
+from mcore_rl.runtime import initialize, shutdown
+from mcore_rl.training import compute_outputs, make_trainable, shard_for_data_parallel, train_step
+
+MICRO_BATCH = 2
+ROWS = 8
+
+
+def reference_full_state(model: ModelConfig, head: str, seed: int = 0) -> dict:
+    """Random canonical weights: norms near 1, matrices with std 0.1 (large enough that
+    attention and the vocabulary distribution are far from uniform)."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, shape in sharding.canonical_param_shapes(model, head).items():
+        noise = torch.randn(shape, generator=generator)
+        state[name] = 1 + 0.1 * noise if "norm" in name else 0.1 * noise
+    return state
+
+
+def reference_batch(model: ModelConfig, seq_length: int = 24, seed: int = 1) -> dict:
+    """ROWS right-padded sequences of different lengths (one full length)."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, model.vocab_size, (ROWS, seq_length), generator=generator)
+    lengths = torch.randint(3, seq_length + 1, (ROWS,), generator=generator)
+    lengths[0] = seq_length
+    mask = (torch.arange(seq_length).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    # Targets for the scalar head, a fixed function of the batch.
+    targets = torch.randn(ROWS, seq_length, generator=generator)
+    return {"input_ids": input_ids * mask, "attention_mask": mask, "value_targets": targets}
+
+
+def policy_style_loss(outputs: dict, micro_batch: dict):
+    """Sum of -logp and an entropy bonus over real tokens: exercises both outputs' gradients."""
+    mask = micro_batch["attention_mask"].clone()
+    mask[:, 0] = 0
+    per_token = -outputs["logprobs"] - 0.1 * outputs["entropy"]
+    return (per_token * mask).sum(), int(mask.sum()), {}
+
+
+def value_loss(outputs: dict, micro_batch: dict):
+    """Squared error of values against fixed targets over real tokens."""
+    mask = micro_batch["attention_mask"].clone()
+    mask[:, 0] = 0
+    error = (outputs["values"] - micro_batch["value_targets"]) ** 2
+    return (error * mask).sum(), int(mask.sum()), {}
+
+
+def _gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate each DP rank's rows (DP ranks hold consecutive row blocks)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _merged_weights(module, model: ModelConfig, parallel: ParallelConfig, head: str):
+    """The full updated weights, merged from every (tp, pp) rank's shards (None off rank 0)."""
+    from megatron.core import parallel_state
+
+    key = (parallel_state.get_tensor_model_parallel_rank(),
+           parallel_state.get_pipeline_model_parallel_rank())
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, (key, local_state(module)))
+    if dist.get_rank() != 0:
+        return None
+    shards = dict(everything)  # DP replicas share a key and hold identical weights
+    return sharding.merge_shards(shards, model, parallel.tensor_model_parallel_size,
+                                 parallel.pipeline_model_parallel_size, head=head)
+
+
+def run_layout(model: ModelConfig, tp: int, pp: int, out_path: str,
+               use_distributed_optimizer: bool = True) -> None:
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # adam_eps well above gradient round-off keeps Adam's first step (~lr * sign(g)) continuous
+    # in g, so layouts that differ by float summation order stay within the tolerance.
+    optimizer = OptimizerConfig(lr=1e-2, adam_eps=1e-3, clip_grad=1.0,
+                                use_distributed_optimizer=use_distributed_optimizer)
+    config = JobConfig(model=model, parallel=parallel, optimizer=optimizer,
+                       batch=BatchConfig(global_batch_size=ROWS, micro_batch_size=MICRO_BATCH,
+                                         seq_length=24),
+                       runtime=RuntimeConfig(collective_timeout_minutes=3))
+    initialize(config)
+    from megatron.core import parallel_state
+
+    batch = reference_batch(model)
+    local = shard_for_data_parallel(batch, parallel_state.get_data_parallel_rank(),
+                                    parallel_state.get_data_parallel_world_size())
+    result = {}
+    for head, loss in (("lm", policy_style_loss), ("scalar", value_loss)):
+        module = build_gpt_model(model, parallel, "fp32", head=head)
+        load_full_state(module, reference_full_state(model, head), model, parallel, head)
+        trainable = make_trainable(module, optimizer, "fp32")
+        outputs = compute_outputs(trainable.chunks, local, MICRO_BATCH, head, model.vocab_size)
+        result[head] = {name: _gather_to_rank0(value) for name, value in outputs.items()}
+        result[head]["metrics"] = train_step(trainable, local, MICRO_BATCH, loss, head,
+                                             model.vocab_size)
+        result[head]["weights"] = _merged_weights(module, model, parallel, head)
+    if dist.get_rank() == 0:
+        torch.save(result, out_path)
+    shutdown()

@@ -1,0 +1,147 @@
+"""Start-up from launcher variables, the CPU compatibility layer, and failure without hangs."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from mcore_rl.runtime import read_launch_env
+from world import run_world
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_torchrun_variables_win_over_slurm():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n0",
+           "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    launch = read_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.launcher) == (3, 8, 1,
+                                                                                     "torchrun")
+    assert (launch.master_addr, launch.master_port) == ("n0", 1234)
+
+
+def test_srun_variables_and_missing_master_addr():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "MASTER_ADDR": "n1"}
+    launch = read_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.launcher) == (5, 8, 1, "slurm")
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        read_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    with pytest.raises(ValueError, match="RANK='x'"):
+        read_launch_env({"RANK": "x", "WORLD_SIZE": "2"})
+    assert read_launch_env({}).world_size == 1
+
+
+def _cpu_compat_checks():
+    from mcore_rl.runtime import cpu_compat
+
+    assert not cpu_compat.is_applied()
+    cpu_compat.apply()
+    cpu_compat.apply()  # idempotent
+    assert cpu_compat.is_applied()
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.ones(2).cuda().device.type == "cpu"
+    assert torch.ones(2).to("cuda:0").device.type == "cpu"
+    assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+    assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.ones(2).type(torch.float64).dtype == torch.float64  # conversions still work
+    assert torch.cuda.current_device() == "cpu"
+
+    from megatron.core.transformer.utils import get_default_causal_mask
+    expected = torch.triu(torch.ones(5, 5), diagonal=1).bool()
+    assert torch.equal(get_default_causal_mask(5), expected)
+
+    # The RNG tracker forks the CPU generator: the forked stream is reproducible and the
+    # default stream continues exactly as if the fork had not happened.
+    from megatron.core import tensor_parallel
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel()
+    draws = []
+    for fork in (True, False):
+        tensor_parallel.model_parallel_cuda_manual_seed(123)
+        torch.manual_seed(7)
+        first = torch.rand(3)
+        if fork:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                forked = torch.rand(3)
+        draws.append((first, torch.rand(3)))
+    assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        again = torch.rand(3)
+    assert torch.equal(forked, again) and not torch.equal(forked, draws[0][1])
+
+
+def test_cpu_compat_layer():
+    run_world(1, _cpu_compat_checks)
+
+
+def _refuse_with_cuda():
+    torch.cuda.is_available = lambda: True
+    from mcore_rl.runtime import cpu_compat
+    try:
+        cpu_compat.apply()
+    except RuntimeError as error:
+        assert "CUDA available" in str(error)
+        assert not cpu_compat.is_applied()
+        return
+    raise AssertionError("cpu_compat.apply() patched a process that has CUDA")
+
+
+def test_cpu_compat_refuses_when_cuda_present():
+    run_world(1, _refuse_with_cuda)
+
+
+def _stuck_collective(result_path):
+    import torch.distributed as dist
+    from mcore_rl.config import load_config
+    from mcore_rl.runtime import initialize
+
+    initialize(load_config(None, ["runtime.collective_timeout_minutes=0.05"]))
+    if dist.get_rank() == 1:
+        time.sleep(25)  # alive but never joins the collective
+        return
+    start = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(1))
+    except RuntimeError as error:
+        with open(result_path, "w") as handle:
+            handle.write(f"{time.perf_counter() - start:.1f} {type(error).__name__}")
+        return
+    raise AssertionError("all_reduce returned although rank 1 never joined")
+
+
+def test_collective_timeout_turns_stuck_rank_into_error(tmp_path):
+    result = tmp_path / "result.txt"
+    run_world(2, _stuck_collective, str(result))
+    seconds, _ = result.read_text().split()
+    assert float(seconds) < 20, "timeout of 3 s took far longer"
+
+
+def test_failing_rank_ends_torchrun_job_with_its_error(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from mcore_rl.config import load_config
+        from mcore_rl.runtime import initialize
+        if __name__ == "__main__":
+            initialize(load_config(None, []))
+            if dist.get_rank() == 1:
+                raise ValueError("rank one broke on purpose")
+            dist.barrier()
+    """))
+    env = dict(os.environ, NPROC_PER_NODE="2", PYTHON=sys.executable, MASTER_PORT="29533",
+               PYTHONPATH=REPO)
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", "29533", str(script)],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "rank one broke on purpose" in done.stdout + done.stderr
+    assert time.perf_counter() - start < 100
