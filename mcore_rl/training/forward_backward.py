@@ -63,6 +63,8 @@ def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_siz
                   loss_fn: LossFn | None, forward_only: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    if head == "lm" and vocab_size is None:
+        raise ValueError("vocab_size (the real, unpadded vocabulary) is needed for an LM head")
     for micro_batch in micro_batches:
         check_batch(micro_batch)
     batch_size, seq_length = micro_batches[0]["input_ids"].shape
