@@ -1,14 +1,18 @@
-"""`mcore-rl` command line: one sub-command per job, each taking a YAML config and overrides.
+"""`mcore-rl` command line: one sub-command per job.
 
     mcore-rl smoke --config configs/smoke.yaml parallel.tensor_model_parallel_size=2
+    mcore-rl convert hf-to-mcore --hf PATH --out DIR --tp N --pp M
+    mcore-rl convert mcore-to-hf --ckpt DIR --out PATH
 
-Every rank of a torchrun/srun world runs the same command line (see scripts/torchrun.sh).
+Every rank of a torchrun/srun world runs the same command line (see scripts/torchrun.sh);
+conversions also run as a single process.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from .config import ConfigError, load_config
 from .runtime.log import quiet_known_warnings
@@ -20,18 +24,48 @@ def _parser() -> argparse.ArgumentParser:
     smoke = commands.add_parser("smoke", help="distributed forward/backward on random tokens")
     smoke.add_argument("--config", help="YAML config file (defaults apply when omitted)")
     smoke.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    convert = commands.add_parser("convert", help="HF <-> Megatron checkpoint conversion")
+    directions = convert.add_subparsers(dest="direction", required=True)
+    to_mcore = directions.add_parser("hf-to-mcore", help="HF folder -> mcore_rl checkpoint")
+    to_mcore.add_argument("--hf", required=True, help="HF model folder (safetensors)")
+    to_mcore.add_argument("--out", required=True, help="checkpoint directory to create")
+    to_mcore.add_argument("--tp", type=int, default=1, help="target tensor-parallel size")
+    to_mcore.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size")
+    to_hf = directions.add_parser("mcore-to-hf", help="mcore_rl checkpoint -> HF folder")
+    to_hf.add_argument("--ckpt", required=True, help="mcore_rl checkpoint directory")
+    to_hf.add_argument("--out", required=True, help="HF folder to create")
+    to_hf.add_argument("--architecture", help="HF architecture (default: the source's)")
+    to_hf.add_argument("--max-file-gb", type=float, default=2.0, help="safetensors file size")
     return parser
+
+
+def _convert(args) -> None:
+    from .conversion.hf_to_mcore import convert_hf_to_mcore
+    from .conversion.mcore_to_hf import convert_mcore_to_hf
+    from .runtime import print0, shutdown, start_process_group
+
+    start_process_group()
+    start = time.perf_counter()
+    if args.direction == "hf-to-mcore":
+        convert_hf_to_mcore(args.hf, args.out, args.tp, args.pp)
+    else:
+        convert_mcore_to_hf(args.ckpt, args.out, args.architecture,
+                            int(args.max_file_gb * 1024 ** 3))
+    print0(f"convert {args.direction}: wrote {args.out} in {time.perf_counter() - start:.1f} s")
+    shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     quiet_known_warnings()
     try:
-        config = load_config(args.config, args.overrides)
-        if args.command == "smoke":
+        if args.command == "convert":
+            _convert(args)
+        elif args.command == "smoke":
             from .smoke import run_smoke
-            run_smoke(config)
-    except ConfigError as error:
+            run_smoke(load_config(args.config, args.overrides))
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as error:
         print(f"mcore-rl: {error}", file=sys.stderr)
         return 2
     return 0

@@ -40,29 +40,27 @@ def run_smoke(config: JobConfig) -> list[dict]:
     from megatron.core import parallel_state
 
     runtime = initialize(config)
-    try:
-        model = build_gpt_model(config.model, config.parallel, config.runtime.precision,
-                                device=runtime.device)
-        trainable = make_trainable(model, config.optimizer, config.runtime.precision)
-        dp_rank = parallel_state.get_data_parallel_rank()
-        dp_size = parallel_state.get_data_parallel_world_size()
-        print0(f"smoke: world {runtime.world_size} = TP {config.parallel.tensor_model_parallel_size}"
-               f" x PP {config.parallel.pipeline_model_parallel_size} x DP {dp_size}, "
-               f"backend {runtime.backend}, precision {config.runtime.precision}")
-        history = []
-        for step in range(config.smoke.steps):
-            batch = random_batch(config, step)
-            tokens = int(batch["attention_mask"].sum())
-            local = {k: v.to(runtime.device) for k, v in
-                     shard_for_data_parallel(batch, dp_rank, dp_size).items()}
-            start = time.perf_counter()
-            metrics = train_step(trainable, local, config.batch.micro_batch_size, next_token_loss,
-                                 vocab_size=config.model.vocab_size)
-            elapsed = time.perf_counter() - start
-            metrics.update(step=step, seconds=elapsed, tokens_per_second=tokens / elapsed)
-            history.append(metrics)
-            print0(f"step {step}: loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}"
-                   f"  lr {metrics['lr']:.2e}  {metrics['tokens_per_second']:.0f} tokens/s")
-        return history
-    finally:
-        shutdown()
+    model = build_gpt_model(config.model, config.parallel, config.runtime.precision,
+                            device=runtime.device)
+    trainable = make_trainable(model, config.optimizer, config.runtime.precision)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    print0(f"smoke: world {runtime.world_size} = TP {config.parallel.tensor_model_parallel_size}"
+           f" x PP {config.parallel.pipeline_model_parallel_size} x DP {dp_size}, "
+           f"backend {runtime.backend}, precision {config.runtime.precision}")
+    history = []
+    for step in range(config.smoke.steps):
+        batch = random_batch(config, step)
+        tokens = int(batch["attention_mask"].sum())
+        local = {k: v.to(runtime.device) for k, v in
+                 shard_for_data_parallel(batch, dp_rank, dp_size).items()}
+        start = time.perf_counter()
+        metrics = train_step(trainable, local, config.batch.micro_batch_size, next_token_loss,
+                             vocab_size=config.model.vocab_size)
+        elapsed = time.perf_counter() - start
+        metrics.update(step=step, seconds=elapsed, tokens_per_second=tokens / elapsed)
+        history.append(metrics)
+        print0(f"step {step}: loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}"
+               f"  lr {metrics['lr']:.2e}  {metrics['tokens_per_second']:.0f} tokens/s")
+    shutdown()
+    return history

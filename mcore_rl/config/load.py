@@ -7,6 +7,7 @@ others under `defaults:` (paths relative to the including file), merged first.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Iterable
 
@@ -14,6 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .job import ConfigError, JobConfig
+from .model import ModelConfig
 
 
 def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> "OmegaConf":
@@ -60,9 +62,31 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> JobCo
         except OmegaConfBaseException as error:
             raise ConfigError(_describe(error, source)) from error
     try:
-        return OmegaConf.to_object(merged)
+        config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error, "config")) from error
+    return with_model_from_init(config)
+
+
+def with_model_from_init(config: JobConfig) -> JobConfig:
+    """When init.hf_path or init.checkpoint is set, the architecture comes from there (and the
+    `model` section must not also be set, so two descriptions can never disagree)."""
+    source = config.init.hf_path or config.init.checkpoint
+    if not source:
+        return config
+    if config.model != ModelConfig():
+        raise ConfigError(f"the model comes from {source}: remove the 'model' section "
+                          "(and model.* overrides) from the config")
+    try:
+        if config.init.hf_path:
+            from ..conversion.hf_to_mcore import model_config_of_hf
+            model = model_config_of_hf(config.init.hf_path)
+        else:
+            from ..checkpoint.weights_io import read_metadata
+            model = read_metadata(config.init.checkpoint)["model"]
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"init: {error}") from error
+    return dataclasses.replace(config, model=model)
 
 
 def to_yaml(config: JobConfig) -> str:

@@ -26,6 +26,25 @@ def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def copy_into_stage(module: torch.nn.Module, local_shards: Mapping[str, torch.Tensor],
+                    keep: tuple[str, ...] = ()) -> None:
+    """Copy local shards (local-spec names) into the stage's parameters, in place, after
+    checking that they cover exactly the parameters, except those in `keep` (left as they are),
+    with the right shapes."""
+    params = {name: p for name, p in local_parameters(module).items() if name not in keep}
+    missing = sorted(set(params) - set(local_shards))
+    unexpected = sorted(set(local_shards) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the model stage: model parameters without a "
+                         f"tensor {missing}, tensors without a parameter {unexpected}")
+    for name, param in params.items():
+        if tuple(param.shape) != tuple(local_shards[name].shape):
+            raise ValueError(f"tensor '{name}' has shape {tuple(local_shards[name].shape)}, "
+                             f"the model stage expects {tuple(param.shape)}")
+    for name, param in params.items():
+        param.copy_(local_shards[name])
+
+
 def load_full_state(module: torch.nn.Module, full_state: Mapping[str, torch.Tensor],
                     model: ModelConfig, parallel: ParallelConfig, head: str = "lm") -> None:
     """Copy this rank's shards of a canonical full state into the model stage, in place."""
@@ -35,15 +54,4 @@ def load_full_state(module: torch.nn.Module, full_state: Mapping[str, torch.Tens
         full_state, model, parallel.tensor_model_parallel_size,
         parallel.pipeline_model_parallel_size, parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(), head)
-    params = local_parameters(module)
-    missing = sorted(set(params) - set(shards))
-    unexpected = sorted(set(shards) - set(params))
-    if missing or unexpected:
-        raise ValueError(f"weights do not match the model stage: model parameters without a "
-                         f"tensor {missing}, tensors without a parameter {unexpected}")
-    for name, param in params.items():
-        if tuple(param.shape) != tuple(shards[name].shape):
-            raise ValueError(f"tensor '{name}' has shape {tuple(shards[name].shape)}, "
-                             f"the model stage expects {tuple(param.shape)}")
-    for name, param in params.items():
-        param.copy_(shards[name])
+    copy_into_stage(module, shards)

@@ -52,10 +52,22 @@ def choose_backend(requested: str) -> str:
 
 def initialize(config: JobConfig, launch: LaunchEnv | None = None) -> Runtime:
     """Validate the config for this world, then start torch.distributed, Megatron's parallel
-    state and the RNGs. Idempotent guard: raises if a process group already exists."""
+    state and the RNGs. Raises if a process group already exists."""
     quiet_known_warnings()
     launch = launch or read_launch_env()
     validate(config, launch.world_size)
+    runtime = start_process_group(config.runtime.backend,
+                                  config.runtime.collective_timeout_minutes, launch)
+    _initialize_megatron(config)
+    seed_everything(config.runtime.seed)
+    return runtime
+
+
+def start_process_group(backend: str = "auto", timeout_minutes: float = 10.0,
+                        launch: LaunchEnv | None = None) -> Runtime:
+    """torch.distributed only (no Megatron model-parallel state), for jobs such as checkpoint
+    conversion. Applies the CPU compatibility layer when CUDA is absent."""
+    launch = launch or read_launch_env()
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized; call shutdown() first")
     if not torch.cuda.is_available():
@@ -65,13 +77,11 @@ def initialize(config: JobConfig, launch: LaunchEnv | None = None) -> Runtime:
     else:
         torch.cuda.set_device(launch.local_rank)
         device = torch.device("cuda", launch.local_rank)
-    backend = choose_backend(config.runtime.backend)
-    timeout = datetime.timedelta(minutes=config.runtime.collective_timeout_minutes)
+    backend = choose_backend(backend)
     dist.init_process_group(backend=backend, init_method=f"tcp://{launch.master_addr}:"
                             f"{launch.master_port}", rank=launch.rank,
-                            world_size=launch.world_size, timeout=timeout)
-    _initialize_megatron(config)
-    seed_everything(config.runtime.seed)
+                            world_size=launch.world_size,
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
     return Runtime(launch=launch, backend=backend, device=device)
 
 
@@ -100,7 +110,9 @@ def seed_everything(seed: int) -> None:
 
 
 def shutdown() -> None:
-    """Tear down Megatron's groups and the process group (safe to call twice)."""
+    """Tear down Megatron's groups and the process group after a successful run (safe to call
+    twice). Not for error paths: its barrier would wait for ranks stuck elsewhere; a failing
+    rank should just raise, and the launcher ends the others."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

@@ -16,6 +16,8 @@ KNOWN_WARNINGS = (
     "is not a leaf Tensor is being accessed",
     # torch 2.13 renamed the collectives Megatron's buffers call.
     "is deprecated. Please use `torch.distributed",
+    # Megatron 0.16 calls torch.distributed.checkpoint.load_state_dict.
+    "`load_state_dict` is deprecated",
 )
 
 

@@ -1,0 +1,124 @@
+"""HF checkpoint -> mcore_rl weights checkpoint (Megatron distributed checkpoint), streaming.
+
+Run single-process (the checkpoint is layout-independent, so one process can write it for any
+target layout) or under torchrun with one process per target rank (tp x pp processes), each
+reading only the HF tensors of its pipeline stage, one canonical tensor at a time, and keeping
+only its TP shard: peak memory is about one rank's share plus the largest full tensor.
+
+Everything that can be checked is checked before any tensor is read: the architecture, the
+config fields that change the math, the layout rules, and that the HF tensors are exactly the
+expected ones with the expected shapes. The output appears only when complete.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.weights_io import RankCoordinates, save_weights
+from ..config import ModelConfig
+from ..parallel import sharding
+from .architectures import Architecture, architecture_for
+from .hf_reader import HFCheckpoint
+
+
+def check_hf_tensors(hf: HFCheckpoint, arch: Architecture, model: ModelConfig) -> None:
+    """Raise ValueError naming every missing, unexpected or mis-shaped HF tensor."""
+    expected = {}
+    for canonical in arch.hf_to_canonical_names(model):
+        expected.update(arch.hf_shapes(canonical, model))
+    present = set(hf.names)
+    missing = sorted(set(expected) - present)
+    extra = sorted(name for name in present - set(expected)
+                   if not arch.is_redundant_hf_name(name, model))
+    wrong = [f"{name}: file has {hf.shape(name)}, expected {shape}"
+             for name, shape in expected.items() if name in present and hf.shape(name) != shape]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if extra:
+        problems.append(f"unexpected tensors {extra}")
+    if wrong:
+        problems.append("mis-shaped tensors: " + "; ".join(wrong))
+    if problems:
+        raise ValueError(f"HF checkpoint {hf.path} does not match {arch.name} with its "
+                         "config.json: " + "; ".join(problems))
+
+
+def canonical_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConfig,
+                      name: str) -> torch.Tensor:
+    """One canonical full tensor, read from the HF files that hold its parts."""
+    sources = arch.hf_to_canonical_names(model)[name]
+    return arch.to_canonical(name, {source: hf.tensor(source) for source in sources}, model)
+
+
+def local_shards_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConfig,
+                         coordinates: RankCoordinates, dtype: torch.dtype | None = None) -> dict:
+    """This rank's local shards (LM head), streamed tensor by tensor."""
+    shards = {}
+    for local, canonical in sharding.stage_params(model, coordinates.pp_size,
+                                                  coordinates.pp_rank).items():
+        full = canonical_from_hf(hf, arch, model, canonical)
+        shard = sharding.split_for_tp(canonical, full, model, coordinates.tp_size,
+                                      coordinates.tp_rank)
+        shards[local] = shard.to(dtype) if dtype is not None else shard.clone()
+        del full
+    return shards
+
+
+def open_hf(path: str) -> tuple[HFCheckpoint, Architecture, ModelConfig]:
+    """Open and check an HF checkpoint: its reader, architecture and ModelConfig."""
+    hf = HFCheckpoint(path)
+    arch = architecture_for(hf.config)
+    model = arch.model_config(hf.config)
+    check_hf_tensors(hf, arch, model)
+    return hf, arch, model
+
+
+def model_config_of_hf(path: str) -> ModelConfig:
+    """The ModelConfig an HF folder's config.json describes (no tensor is read)."""
+    hf = HFCheckpoint(path)
+    return architecture_for(hf.config).model_config(hf.config)
+
+
+def tokenizer_folder(hf: HFCheckpoint, arch: Architecture, staging: str) -> str | None:
+    """Copy the tokenizer files next to the weights into `staging` (None if there are none)."""
+    import shutil
+
+    files = [name for name in arch.tokenizer_files if os.path.isfile(os.path.join(hf.path, name))]
+    if not files:
+        return None
+    os.makedirs(staging, exist_ok=True)
+    for name in files:
+        shutil.copy2(os.path.join(hf.path, name), os.path.join(staging, name))
+    return staging
+
+
+def convert_hf_to_mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1) -> ModelConfig:
+    """Collective over the current world (1 process, or exactly tp x pp processes)."""
+    world = dist.get_world_size()
+    if world not in (1, tp * pp):
+        raise ValueError(f"run hf-to-mcore with 1 process or tp x pp = {tp * pp} processes, "
+                         f"not {world}")
+    if os.path.exists(out_dir):
+        raise FileExistsError(f"output {out_dir} already exists; refusing to overwrite it")
+    hf, arch, model = open_hf(hf_path)
+    errors = model.check(tp, pp)
+    if errors:
+        raise ValueError(f"{hf_path} cannot be laid out at tp={tp}, pp={pp}: " + "; ".join(errors))
+    rank = dist.get_rank()
+    coordinates = (RankCoordinates(1, 1, 0, 0) if world == 1
+                   else RankCoordinates(tp, pp, rank % tp, rank // tp))
+    shards = local_shards_from_hf(hf, arch, model, coordinates)
+    tokenizer = None
+    if rank == 0:
+        tokenizer = tokenizer_folder(hf, arch, out_dir.rstrip("/") + ".tokenizer-staging")
+    save_weights(out_dir, shards, model, coordinates, head="lm", tokenizer_dir=tokenizer,
+                 extra_metadata={"hf_architecture": arch.name, "hf_config": hf.config,
+                                 "converted_for": {"tp": tp, "pp": pp}})
+    if tokenizer:
+        import shutil
+        shutil.rmtree(tokenizer, ignore_errors=True)
+    return model

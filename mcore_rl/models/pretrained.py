@@ -1,0 +1,60 @@
+"""Give a freshly built model stage its starting weights from `config.init`.
+
+An HF folder is read directly (each rank streams only its stage's tensors and keeps its TP
+shards); an mcore_rl checkpoint loads through Megatron's distributed checkpointing at whatever
+layout wrote it. A scalar-head model (critic, reward model) started from an LM checkpoint takes
+the transformer trunk and keeps its freshly initialised head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint.weights_io import load_weights_into, megatron_coordinates, read_metadata
+from ..config import InitConfig, ModelConfig
+from ..parallel import sharding
+from .weights import copy_into_stage, local_parameters
+
+
+@torch.no_grad()
+def load_initial_weights(module: torch.nn.Module, init: InitConfig, model: ModelConfig,
+                         head: str = "lm") -> bool:
+    """Load `init`'s weights into this rank's stage; False when init names no source."""
+    coordinates = megatron_coordinates()
+    if init.hf_path:
+        from ..conversion.hf_to_mcore import local_shards_from_hf, open_hf
+
+        hf, arch, hf_model = open_hf(init.hf_path)
+        shards = local_shards_from_hf(hf, arch, hf_model, coordinates)
+        copy_into_stage(module, _for_head(shards, head), keep=_kept(head))
+        return True
+    if init.checkpoint:
+        stored_head = read_metadata(init.checkpoint)["head"]
+        params = {name: p.data for name, p in local_parameters(module).items()}
+        if stored_head == head:
+            load_weights_into(init.checkpoint, params, model, coordinates, head)
+            return True
+        trunk = {name: p for name, p in params.items() if name not in _kept(head)}
+        stored = dict(trunk)
+        if stored_head == "lm" and sharding.OUTPUT_LAYER in _lm_stage(model, coordinates):
+            stored[sharding.OUTPUT_LAYER] = torch.empty(
+                sharding.local_shape(sharding.OUTPUT_LAYER, model, coordinates.tp_size))
+        load_weights_into(init.checkpoint, stored, model, coordinates, stored_head)
+        return True
+    return False
+
+
+def _kept(head: str) -> tuple[str, ...]:
+    """Parameters an LM checkpoint cannot provide for this head."""
+    return (sharding.SCALAR_HEAD,) if head == "scalar" else ()
+
+
+def _for_head(lm_shards: dict, head: str) -> dict:
+    """An LM stage's shards restricted to what a `head` model holds."""
+    if head == "lm":
+        return lm_shards
+    return {name: tensor for name, tensor in lm_shards.items() if name != sharding.OUTPUT_LAYER}
+
+
+def _lm_stage(model: ModelConfig, coordinates) -> dict:
+    return sharding.stage_params(model, coordinates.pp_size, coordinates.pp_rank, "lm")

@@ -1,0 +1,81 @@
+"""Tiny random HF checkpoints of every supported architecture, written to disk for conversion
+tests (no downloads). Vocabulary 251 is not divisible by any TP size; KV heads fewer than TP,
+tied and untied embeddings, QKV bias, QK-norm, Llama-3 RoPE and head_dim != hidden/heads all
+appear."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import transformers
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             vocab_size=251, max_position_embeddings=128, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+CASES = {
+    "llama": (transformers.LlamaConfig, "LlamaForCausalLM",
+              dict(num_key_value_heads=2, head_dim=16, rope_parameters=LLAMA3_ROPE)),
+    "llama_tied_kv1": (transformers.LlamaConfig, "LlamaForCausalLM",
+                       dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM",
+              dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM",
+              dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
+    "mistral": (transformers.MistralConfig, "MistralForCausalLM",
+                dict(num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False)),
+}
+
+
+def build_hf_model(case: str) -> transformers.PreTrainedModel:
+    """A tiny model with random weights (norms near 1, biases non-zero)."""
+    config_class, arch_name, extra = CASES[case]
+    config = config_class(**SMALL, **extra, architectures=[arch_name])
+    torch.manual_seed(sum(map(ord, case)))
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            centre = 1.0 if "norm" in name else 0.0
+            param.copy_(centre + 0.15 * torch.randn_like(param))
+    return model
+
+
+def write_tokenizer(folder: str, vocab_size: int) -> None:
+    """A word-level tokenizer with `vocab_size` tokens, saved as HF tokenizer files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                                                bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(folder)
+
+
+def save_hf_case(case: str, folder: str) -> transformers.PreTrainedModel:
+    """Write the case as an HF folder (safetensors split in two files, tokenizer)."""
+    model = build_hf_model(case)
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size="60KB")
+    write_tokenizer(folder, model.config.vocab_size)
+    with open(os.path.join(folder, "config.json")) as handle:
+        assert json.load(handle)["architectures"] == [CASES[case][1]]
+    return model
+
+
+def reference_batch(vocab_size: int = 251, seq_length: int = 12, rows: int = 4):
+    """Right-padded token ids and mask (one full row)."""
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab_size, (rows, seq_length), generator=generator)
+    lengths = torch.tensor([seq_length, 7, 3, 10])[:rows]
+    mask = (torch.arange(seq_length).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    return ids * mask, mask
+
+
+@torch.no_grad()
+def hf_logits(model, ids, mask) -> torch.Tensor:
+    return model(input_ids=ids, attention_mask=mask).logits.float()
