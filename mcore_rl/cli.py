@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 def _convert(args) -> None:
     from .conversion.hf_to_mcore import convert_hf_to_mcore
     from .conversion.mcore_to_hf import convert_mcore_to_hf
-    from .runtime import print0, shutdown, start_process_group
+    from .runtime import peak_resident_mb, print0, shutdown, start_process_group
 
     start_process_group()
     start = time.perf_counter()
@@ -52,7 +52,9 @@ def _convert(args) -> None:
     else:
         convert_mcore_to_hf(args.ckpt, args.out, args.architecture,
                             int(args.max_file_gb * 1024 ** 3))
-    print0(f"convert {args.direction}: wrote {args.out} in {time.perf_counter() - start:.1f} s")
+    seconds = time.perf_counter() - start
+    print0(f"convert {args.direction}: wrote {args.out} in {seconds:.1f} s "
+           f"(peak resident memory of the largest rank: {peak_resident_mb():.0f} MB)")
     shutdown()
 
 

@@ -50,6 +50,22 @@ def _set_layout(tp: int, pp: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(0)
 
 
+def _check_critic_trunk(lm_module, init: InitConfig, model, parallel) -> None:
+    """A scalar-head model started from the same LM weights holds the same trunk, and a
+    zero-initialised head."""
+    from mcore_rl.models import local_state
+    from mcore_rl.parallel import sharding
+
+    critic = build_gpt_model(model, parallel, "fp32", head="scalar")
+    assert load_initial_weights(critic, init, model, head="scalar")
+    lm_state, critic_state = local_state(lm_module), local_state(critic)
+    for name, tensor in critic_state.items():
+        if name == sharding.SCALAR_HEAD:
+            assert not tensor.any()
+        else:
+            assert torch.equal(tensor, lm_state[name]), name
+
+
 def _model_of(init: InitConfig):
     if init.hf_path:
         from mcore_rl.conversion.hf_to_mcore import model_config_of_hf
@@ -73,5 +89,6 @@ def run_parity(jobs: list, layouts: list, ids: torch.Tensor, out_path: str) -> N
             assert load_initial_weights(module, init, model)
             source = "hf" if init.hf_path else "mcore"
             results[(case, source, tp, pp)] = megatron_logits(module, ids, model.vocab_size)
+            _check_critic_trunk(module, init, model, parallel)
     if dist.get_rank() == 0:
         torch.save(results, out_path)

@@ -34,6 +34,9 @@ def load_initial_weights(module: torch.nn.Module, init: InitConfig, model: Model
         if stored_head == head:
             load_weights_into(init.checkpoint, params, model, coordinates, head)
             return True
+        if stored_head != "lm":
+            raise ValueError(f"{init.checkpoint} holds a '{stored_head}' head: a '{head}' model "
+                             f"starts from an LM checkpoint or a '{head}' one")
         trunk = {name: p for name, p in params.items() if name not in _kept(head)}
         stored = dict(trunk)
         if stored_head == "lm" and sharding.OUTPUT_LAYER in _lm_stage(model, coordinates):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import resource
 import warnings
 
+import torch
 import torch.distributed as dist
 
 # Megatron-Core announces every optional fused kernel it falls back from, on every rank.
@@ -36,3 +38,11 @@ def print0(*args, **kwargs) -> None:
     """print() on global rank 0 only, flushed (logs of many ranks stay readable)."""
     if is_rank0():
         print(*args, **kwargs, flush=True)
+
+
+def peak_resident_mb() -> float:
+    """Peak resident memory (MB) of this process, or the largest over all ranks (collective)."""
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
