@@ -1,8 +1,9 @@
 """`mcore-rl smoke`: a distributed forward/backward run on random tokens.
 
 The main job until the RL trainer lands: it builds the configured model in the configured
-TP x PP x DP layout, trains it for a few steps with a next-token loss on random right-padded
-sequences, and prints loss and throughput on rank 0. It exercises the same runtime, model,
+TP x PP x DP layout (random weights, or `init.hf_path` / `init.checkpoint`), trains it for a few
+steps with a next-token loss on random right-padded sequences, and prints loss and throughput on
+rank 0. It exercises the same runtime, model,
 schedule, DDP and optimizer code that RL training uses.
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from .config import JobConfig
 from .models import build_gpt_model
+from .models.pretrained import load_initial_weights
 from .runtime import initialize, print0, shutdown
 from .training import make_trainable, shard_for_data_parallel, train_step
 
@@ -42,6 +44,8 @@ def run_smoke(config: JobConfig) -> list[dict]:
     runtime = initialize(config)
     model = build_gpt_model(config.model, config.parallel, config.runtime.precision,
                             device=runtime.device)
+    if load_initial_weights(model, config.init, config.model):
+        print0(f"smoke: weights from {config.init.hf_path or config.init.checkpoint}")
     trainable = make_trainable(model, config.optimizer, config.runtime.precision)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()

@@ -38,3 +38,32 @@ def test_bad_config_fails_before_launching_work():
                         "parallel.tensor_model_parallel_size=3", port=29543)
     assert done.returncode != 0
     assert "num_attention_heads=4 must be divisible by tensor_model_parallel_size=3" in done.stderr
+
+
+def test_smoke_job_from_hf_folder_reports_transformers_loss(tmp_path):
+    """Start from an HF folder at TP2 x PP2: the step-0 loss (computed before the update) is the
+    token-mean NLL that transformers gives for the same batch."""
+    import torch
+
+    from hf_models import save_hf_case
+    from mcore_rl.config import load_config
+    from mcore_rl.smoke import random_batch
+
+    hf_dir = str(tmp_path / "hf")
+    hf_model = save_hf_case("qwen2", hf_dir)
+    overrides = [f"init.hf_path={hf_dir}", "parallel.tensor_model_parallel_size=2",
+                 "parallel.pipeline_model_parallel_size=2", "batch.global_batch_size=8",
+                 "batch.micro_batch_size=2", "batch.seq_length=32", "smoke.steps=1"]
+    done = run_launcher("smoke", *overrides, port=29544)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"weights from {hf_dir}" in done.stdout
+    batch = random_batch(load_config(None, overrides), step=0)
+    with torch.no_grad():
+        logits = hf_model(input_ids=batch["input_ids"],
+                          attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(
+        -1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    mask = batch["attention_mask"][:, 1:].float()
+    want = -(logp * mask).sum() / mask.sum()
+    loss = float(STEP_LINE.search(done.stdout).group(2))
+    assert abs(loss - want.item()) < 2e-4, (loss, want.item())
