@@ -46,13 +46,16 @@ def assert_same(result, reference):
         for name in names:
             got, want = result[head][name], reference[head][name]
             assert got.shape == want.shape
+            print(f"{head} {name}: max difference {(got - want).abs().max().item():.1e}")
             assert (got - want).abs().max().item() <= TOLERANCE, f"{head} {name}"
             assert got[~mask].abs().max() == 0, f"{head} {name} not zero on padding"
         for metric in ("loss", "grad_norm"):
             assert abs(result[head]["metrics"][metric] - reference[head]["metrics"][metric]) \
                 <= TOLERANCE * max(1.0, abs(reference[head]["metrics"][metric]))
         assert result[head]["weights"].keys() == reference[head]["weights"].keys()
-        assert max_difference(result[head]["weights"], reference[head]["weights"]) <= TOLERANCE
+        weights_difference = max_difference(result[head]["weights"], reference[head]["weights"])
+        print(f"{head} updated weights: max difference {weights_difference:.1e}")
+        assert weights_difference <= TOLERANCE
 
 
 def check_training_moved_weights(reference):
