@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import ModelConfig, RopeScalingConfig
-from .sharded_weights import sharded_state_dict
+from ..parallel import sharding
+from .sharded_weights import sharded_state_dict, stored_vocab_rows
 
 METADATA_FILE = "mcore_rl.json"
 FORMAT_VERSION = 1
@@ -85,9 +86,10 @@ def _rank() -> int:
 
 def save_weights(path: str, local_shards: dict, model: ModelConfig, coordinates: RankCoordinates,
                  head: str = "lm", extra_metadata: dict | None = None,
-                 tokenizer_dir: str | None = None, overwrite: bool = False) -> None:
+                 tokenizer_files: tuple[str, ...] = (), overwrite: bool = False) -> None:
     """Collective: every rank passes its local shards; the checkpoint appears at `path` only when
-    complete. Refuses an existing `path` unless `overwrite`."""
+    complete, with `tokenizer_files` copied into its tokenizer/ folder. Refuses an existing
+    `path` unless `overwrite`."""
     from megatron.core import dist_checkpointing
 
     final = os.path.abspath(path)
@@ -103,8 +105,10 @@ def save_weights(path: str, local_shards: dict, model: ModelConfig, coordinates:
     dist_checkpointing.save(state, staging)
     _barrier()
     if _rank() == 0:
-        if tokenizer_dir:
-            shutil.copytree(tokenizer_dir, os.path.join(staging, "tokenizer"))
+        if tokenizer_files:
+            os.makedirs(os.path.join(staging, "tokenizer"))
+            for file in tokenizer_files:
+                shutil.copy2(file, os.path.join(staging, "tokenizer"))
         metadata = dict(extra_metadata or {}, format_version=FORMAT_VERSION, head=head,
                         model=dataclasses.asdict(model),
                         saved_layout={"tp": coordinates.tp_size, "pp": coordinates.pp_size})
@@ -150,13 +154,9 @@ def load_weights_into(path: str, local_shards: dict, model: ModelConfig,
 def _zero_vocab_padding(targets: dict, model: ModelConfig, coordinates: RankCoordinates,
                         head: str) -> None:
     """Zero the vocabulary rows that only exist as padding for this TP size (not stored)."""
-    from ..parallel import sharding
-    from .sharded_weights import stored_vocab_rows
-
+    sources = sharding.stage_params(model, coordinates.pp_size, coordinates.pp_rank, head)
     for name, tensor in targets.items():
-        canonical = sharding.stage_params(model, coordinates.pp_size, coordinates.pp_rank,
-                                          head)[name]
-        if sharding.shard_kind(canonical) is not sharding.ShardKind.VOCAB:
+        if sharding.shard_kind(sources[name]) is not sharding.ShardKind.VOCAB:
             continue
         rows = tensor.shape[0]
         first_padding = stored_vocab_rows(model) - coordinates.tp_rank * rows

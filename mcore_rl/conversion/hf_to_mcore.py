@@ -55,15 +55,16 @@ def canonical_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConfig,
 
 
 def local_shards_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConfig,
-                         coordinates: RankCoordinates, dtype: torch.dtype | None = None) -> dict:
-    """This rank's local shards (LM head), streamed tensor by tensor."""
+                         coordinates: RankCoordinates) -> dict:
+    """This rank's local shards (LM head), streamed tensor by tensor. Shards are copies, so
+    each full tensor is freed as soon as it has been cut."""
     shards = {}
     for local, canonical in sharding.stage_params(model, coordinates.pp_size,
                                                   coordinates.pp_rank).items():
         full = canonical_from_hf(hf, arch, model, canonical)
         shard = sharding.split_for_tp(canonical, full, model, coordinates.tp_size,
                                       coordinates.tp_rank)
-        shards[local] = shard.to(dtype) if dtype is not None else shard.clone()
+        shards[local] = shard.clone()
         del full
     return shards
 
@@ -83,17 +84,10 @@ def model_config_of_hf(path: str) -> ModelConfig:
     return architecture_for(hf.config).model_config(hf.config)
 
 
-def tokenizer_folder(hf: HFCheckpoint, arch: Architecture, staging: str) -> str | None:
-    """Copy the tokenizer files next to the weights into `staging` (None if there are none)."""
-    import shutil
-
-    files = [name for name in arch.tokenizer_files if os.path.isfile(os.path.join(hf.path, name))]
-    if not files:
-        return None
-    os.makedirs(staging, exist_ok=True)
-    for name in files:
-        shutil.copy2(os.path.join(hf.path, name), os.path.join(staging, name))
-    return staging
+def tokenizer_files(hf: HFCheckpoint, arch: Architecture) -> tuple[str, ...]:
+    """Paths of the tokenizer files next to the weights (they travel with the checkpoint)."""
+    paths = (os.path.join(hf.path, name) for name in arch.tokenizer_files)
+    return tuple(path for path in paths if os.path.isfile(path))
 
 
 def convert_hf_to_mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1) -> ModelConfig:
@@ -112,13 +106,8 @@ def convert_hf_to_mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1) ->
     coordinates = (RankCoordinates(1, 1, 0, 0) if world == 1
                    else RankCoordinates(tp, pp, rank % tp, rank // tp))
     shards = local_shards_from_hf(hf, arch, model, coordinates)
-    tokenizer = None
-    if rank == 0:
-        tokenizer = tokenizer_folder(hf, arch, out_dir.rstrip("/") + ".tokenizer-staging")
-    save_weights(out_dir, shards, model, coordinates, head="lm", tokenizer_dir=tokenizer,
+    save_weights(out_dir, shards, model, coordinates, head="lm",
+                 tokenizer_files=tokenizer_files(hf, arch),
                  extra_metadata={"hf_architecture": arch.name, "hf_config": hf.config,
                                  "converted_for": {"tp": tp, "pp": pp}})
-    if tokenizer:
-        import shutil
-        shutil.rmtree(tokenizer, ignore_errors=True)
     return model

@@ -82,7 +82,6 @@ def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, architecture: str | None = 
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     dist.barrier()
-    weight_map = {}
     for first in range(0, len(files), world):
         index = first + rank
         # Every rank joins every (collective) load; a rank without a file loads the tiny norm.
@@ -94,12 +93,11 @@ def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, architecture: str | None = 
                 hf_tensors.update(arch.from_canonical(name, canonical.pop(name), model))
             save_file(hf_tensors, os.path.join(staging, _file_name(index, len(files))),
                       metadata={"format": "pt"})
-        for round_index in range(first, min(first + world, len(files))):
-            for name in files[round_index]:
-                for hf_name in arch.hf_shapes(name, model):
-                    weight_map[hf_name] = _file_name(round_index, len(files))
     dist.barrier()
     if rank == 0:
+        weight_map = {hf_name: _file_name(index, len(files))
+                      for index, names in enumerate(files) for name in names
+                      for hf_name in arch.hf_shapes(name, model)}
         _write_side_files(staging, ckpt_dir, metadata, arch, model, weight_map)
         os.replace(staging, os.path.abspath(out_dir))
     dist.barrier()
