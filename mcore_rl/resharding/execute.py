@@ -1,0 +1,222 @@
+"""Run a ReshardPlan: bucketed point-to-point messages, results streamed as they complete.
+
+Why point-to-point
+------------------
+The plan says exactly which rows each rank lacks and who sends them, so the cheapest execution
+is one message per (sender, receiver) pair per bucket: the sender packs its runs for that
+receiver into one flat buffer, the receiver unpacks them into its rollout shards. No rank ever
+builds a full tensor it does not want (peers all-gather then slice). The same code runs on gloo
+(CPU) and NCCL (GPU): buffers live on the device of the training tensors.
+
+Memory and overlap
+------------------
+Buckets are cut from the global plan so that on every rank the bytes sent plus received in one
+bucket are at most half of ``bucket_bytes``; the next bucket's messages are posted before the
+current bucket's shards are handed out, so communication overlaps the engine's loading and at
+most ``bucket_bytes`` of communication buffers exist at once. Each delivered shard is a new
+tensor the consumer owns; peak extra memory is therefore at most ``bucket_bytes`` plus the shard
+being consumed (the largest rollout shard of one parameter).
+
+Failure
+-------
+Before any byte moves, every rank checks its local tensors against the plan (names, shapes,
+dtypes) and the ranks exchange their findings, so a bad input raises the same error on every
+rank instead of leaving the others blocked in a receive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .layouts import ShardSpec, TrainingLayout
+from .plan import ParamPlan, PlanError, ReshardPlan, Transfer
+
+DEFAULT_BUCKET_BYTES = 512 * 1024 ** 2
+"""Communication buffer budget per rank (two half-size buckets in flight)."""
+
+
+@dataclass
+class _Bucket:
+    """This rank's share of one bucket of the plan."""
+
+    index: int
+    params: list[ParamPlan]
+    sends: dict[int, list[tuple[ParamPlan, Transfer]]]
+    """Receiver rank -> runs this rank sends it, in packing order."""
+    receives: dict[int, list[tuple[ParamPlan, Transfer]]]
+    """Sender rank -> runs this rank receives from it, in packing order."""
+
+
+def _run_shape(param: ParamPlan, length: int) -> tuple:
+    shape = list(param.full_shape)
+    shape[param.dim] = length
+    return tuple(shape)
+
+
+def _run_elements(param: ParamPlan, transfer: Transfer) -> int:
+    return transfer.length * param.row_elements
+
+
+class Resharder:
+    """Delivers this rank's rollout shards from its training shards, following ``plan``."""
+
+    def __init__(self, plan: ReshardPlan, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        if bucket_bytes < 2 * plan.element_size:
+            raise ValueError(f"bucket_bytes={bucket_bytes} is too small")
+        self.plan = plan
+        self.rank = dist.get_rank()
+        if dist.get_world_size() != plan.training.world_size:
+            raise PlanError(f"the plan covers {plan.training.world_size} ranks but the world has "
+                            f"{dist.get_world_size()}")
+        self.held = plan.training.held(self.rank)
+        self.wanted = plan.rollout.wanted(self.rank)
+        self._full_shapes = {param.source: param.full_shape for param in plan.params}
+        self._local_copies = {param.source: [t for t in param.local_copies if t.dst == self.rank]
+                              for param in plan.params}
+        self._buckets = [self._my_share(index, params) for index, params in
+                         enumerate(plan.buckets(bucket_bytes // 2))]
+
+    def _my_share(self, index: int, params: list[ParamPlan]) -> _Bucket:
+        sends: dict[int, list] = {}
+        receives: dict[int, list] = {}
+        for param in params:
+            for transfer in param.transfers:
+                if transfer.src == self.rank:
+                    sends.setdefault(transfer.dst, []).append((param, transfer))
+                if transfer.dst == self.rank:
+                    receives.setdefault(transfer.src, []).append((param, transfer))
+        return _Bucket(index, params, sends, receives)
+
+    # ----------------------------------------------------------------------------------------
+
+    def sync(self, local_tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (engine name, rollout shard) for every parameter this rank's engine part needs,
+        in canonical order. ``local_tensors`` maps this rank's training local names (local-spec
+        names, as `models.weights.local_parameters` gives) to its shards. Every rank must iterate
+        the whole generator: the messages are collective."""
+        by_source = self._check_inputs(local_tensors)
+        if not self._buckets:
+            return
+        pending = self._post(self._buckets[0], by_source)
+        for position, bucket in enumerate(self._buckets):
+            received = self._wait(pending)
+            if position + 1 < len(self._buckets):
+                pending = self._post(self._buckets[position + 1], by_source)
+            yield from self._assemble(bucket, by_source, received)
+
+    def _check_inputs(self, local_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Canonical source -> local tensor, after every rank agreed that all inputs are valid."""
+        errors, by_source = self._input_errors(local_tensors)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, errors)
+        messages = [f"rank {rank}: {error}" for rank, rank_errors in enumerate(everyone)
+                    for error in rank_errors]
+        if messages:
+            raise PlanError("resharding refused, nothing was sent: " + "; ".join(messages))
+        return by_source
+
+    def _input_errors(self, local_tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], dict]:
+        errors, by_source = [], {}
+        known = {spec.name: spec for spec in self.held.values()}
+        for name in sorted(set(local_tensors) - set(known)):
+            errors.append(f"local tensor {name!r} is not in the plan's parameter metadata")
+        for source, spec in self.held.items():
+            tensor = local_tensors.get(spec.name)
+            if tensor is None:
+                errors.append(f"parameter {spec.name!r} ({source}) is missing from the local "
+                              "tensors")
+                continue
+            expected = spec.shape(self._full_shapes[source])
+            if tuple(tensor.shape) != expected:
+                errors.append(f"tensor {spec.name!r} has shape {tuple(tensor.shape)}, the plan "
+                              f"expects {expected}")
+            elif tensor.dtype != self.plan.dtype:
+                errors.append(f"tensor {spec.name!r} has dtype {tensor.dtype}, the plan expects "
+                              f"{self.plan.dtype}")
+            by_source[source] = tensor.detach()
+        return errors, by_source
+
+    # ----------------------------------------------------------------------------------------
+
+    def _device(self, by_source: Mapping[str, torch.Tensor]) -> torch.device:
+        return next(iter(by_source.values())).device if by_source else torch.device("cpu")
+
+    def _post(self, bucket: _Bucket, by_source: Mapping[str, torch.Tensor]) -> list:
+        """Pack and post this rank's sends and receives of ``bucket``; returns the handles and
+        receive buffers."""
+        device, dtype = self._device(by_source), self.plan.dtype
+        handles, buffers = [], {}
+        for src, runs in sorted(bucket.receives.items()):
+            buffers[src] = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=dtype,
+                                       device=device)
+            handles.append(dist.irecv(buffers[src], src=src, tag=bucket.index))
+        for dst, runs in sorted(bucket.sends.items()):
+            packed = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=dtype,
+                                 device=device)
+            offset = 0
+            for param, transfer in runs:
+                count = _run_elements(param, transfer)
+                source = by_source[param.source].narrow(param.dim, transfer.src_offset,
+                                                        transfer.length)
+                packed[offset:offset + count].view(source.shape).copy_(source)
+                offset += count
+            handles.append(dist.isend(packed, dst=dst, tag=bucket.index))
+        return [handles, buffers]
+
+    @staticmethod
+    def _wait(pending: list) -> dict[int, torch.Tensor]:
+        handles, buffers = pending
+        for handle in handles:
+            handle.wait()
+        return buffers
+
+    def _assemble(self, bucket: _Bucket, by_source: Mapping[str, torch.Tensor],
+                  received: Mapping[int, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's rollout shards of the bucket's parameters, from local rows and the
+        received buffers."""
+        runs_by_param: dict[str, list[tuple[Transfer, torch.Tensor]]] = {}
+        for src, runs in bucket.receives.items():
+            offset = 0
+            for param, transfer in runs:
+                count = _run_elements(param, transfer)
+                view = received[src][offset:offset + count].view(_run_shape(param, transfer.length))
+                runs_by_param.setdefault(param.source, []).append((transfer, view))
+                offset += count
+        for param in bucket.params:
+            spec: ShardSpec | None = self.wanted.get(param.source)
+            if spec is None:
+                continue
+            yield spec.name, self._build(param, spec, by_source, runs_by_param.get(param.source, []))
+
+    def _build(self, param: ParamPlan, spec: ShardSpec, by_source: Mapping[str, torch.Tensor],
+               remote_runs: list[tuple[Transfer, torch.Tensor]]) -> torch.Tensor:
+        device = self._device(by_source)
+        shape = spec.shape(param.full_shape)
+        out = (torch.zeros if spec.padding else torch.empty)(shape, dtype=self.plan.dtype,
+                                                            device=device)
+        for transfer in self._local_copies[param.source]:
+            out.narrow(param.dim, transfer.dst_offset, transfer.length).copy_(
+                by_source[param.source].narrow(param.dim, transfer.src_offset, transfer.length))
+        for transfer, view in remote_runs:
+            out.narrow(param.dim, transfer.dst_offset, transfer.length).copy_(view)
+        return out
+
+
+def megatron_training_layout(model) -> TrainingLayout:
+    """The TrainingLayout of Megatron's current parallel state, after checking that this rank's
+    coordinates in it are the ones Megatron assigned (the plan relies on the rank order)."""
+    from megatron.core import parallel_state as ps
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    layout = TrainingLayout(model, tp, pp, dist.get_world_size() // (tp * pp))
+    mine = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+            ps.get_data_parallel_rank())
+    if layout.coordinates(dist.get_rank()) != mine:
+        raise PlanError(f"rank {dist.get_rank()} has Megatron coordinates (tp, pp, dp) = {mine} "
+                        f"but the resharding layout assumes {layout.coordinates(dist.get_rank())}:"
+                        " Megatron must use its default rank order tp-cp-ep-dp-pp")
+    return layout

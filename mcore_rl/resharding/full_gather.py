@@ -1,0 +1,116 @@
+"""The full-gather weight sync that verl, slime and NeMo-RL's colocated path use: the baseline.
+
+For each parameter, the ranks of the pipeline stage that owns it all-gather their TP shards into
+the full tensor, the full tensor is broadcast along each pipeline group, and every rank slices
+what its engine needs. Every rank thus receives about the whole model. It lives here so the
+benchmark can time it against our plan in the same process and the dry-run planner can count
+its bytes; nothing in the training loop uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mcore_rl.parallel import sharding
+
+from .layouts import RolloutLayout, TrainingLayout, split_dim
+from .plan import ParamPlan, Transfer
+
+
+def _owner_stage(training: TrainingLayout, source: str) -> int:
+    return sharding.to_local_name(source, training.model, training.pp)[0]
+
+
+def _rank(training: TrainingLayout, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+    return tp_rank + training.tp * (dp_rank + training.dp * pp_rank)
+
+
+def full_gather_transfers(training: TrainingLayout) -> list[ParamPlan]:
+    """The messages of the full-gather sync, per parameter, for byte accounting: a ring
+    all-gather within the owning stage's TP groups (each rank receives the other TP ranks'
+    shards), then a chain broadcast of the full tensor through the other stages of each pipeline
+    group. Offsets are not meaningful."""
+    model = training.model
+    plans, cache = [], {}
+    for source, shape in sharding.canonical_param_shapes(model).items():
+        owner = _owner_stage(training, source)
+        replicated = sharding.shard_kind(source) is sharding.ShardKind.REPLICATED
+        key = (owner, shape, replicated)
+        if key not in cache:
+            dim = split_dim(source)
+            full_rows = shape[dim]
+            shard_rows = full_rows if replicated else full_rows // training.tp
+            transfers = []
+            for dp_rank in range(training.dp):
+                for tp_rank in range(training.tp):
+                    dst = _rank(training, tp_rank, owner, dp_rank)
+                    if not replicated:
+                        transfers += [Transfer(_rank(training, other, owner, dp_rank), dst, 0, 0,
+                                               shard_rows)
+                                      for other in range(training.tp) if other != tp_rank]
+                    chain = [(owner + step) % training.pp for step in range(training.pp)]
+                    transfers += [Transfer(_rank(training, tp_rank, sender, dp_rank),
+                                           _rank(training, tp_rank, receiver, dp_rank), 0, 0,
+                                           full_rows)
+                                  for sender, receiver in zip(chain, chain[1:])]
+            cache[key] = (dim, tuple(transfers))
+        dim, transfers = cache[key]
+        plans.append(ParamPlan(source, shape, dim, transfers, ()))
+    return plans
+
+
+class FullGatherSync:
+    """Executes the full-gather sync with torch.distributed collectives (benchmark baseline)."""
+
+    def __init__(self, training: TrainingLayout, rollout: RolloutLayout):
+        self.training, self.rollout = training, rollout
+        self.rank = dist.get_rank()
+        self.tp_rank, self.pp_rank, self.dp_rank = training.coordinates(self.rank)
+        self.tp_group = self.pp_group = None
+        self.pp_ranks: list[int] = []
+        for pp_rank in range(training.pp):  # every rank creates every group, in one order
+            for dp_rank in range(training.dp):
+                ranks = [_rank(training, tp, pp_rank, dp_rank) for tp in range(training.tp)]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.tp_group = group
+        for dp_rank in range(training.dp):
+            for tp_rank in range(training.tp):
+                ranks = [_rank(training, tp_rank, pp, dp_rank) for pp in range(training.pp)]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.pp_group, self.pp_ranks = group, ranks
+
+    def sync(self, local_tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (engine name, rollout shard) like `Resharder.sync`."""
+        model, training = self.training.model, self.training
+        held = training.held(self.rank)
+        wanted = self.rollout.wanted(self.rank)
+        device = next(iter(local_tensors.values())).device
+        dtype = next(iter(local_tensors.values())).dtype
+        for source, shape in sharding.canonical_param_shapes(model).items():
+            owner = _owner_stage(training, source)
+            full = torch.empty(shape, dtype=dtype, device=device)
+            if self.pp_rank == owner:
+                mine = local_tensors[held[source].name].detach()
+                if sharding.shard_kind(source) is sharding.ShardKind.REPLICATED:
+                    full.copy_(mine)
+                else:
+                    shards = [torch.empty_like(mine) for _ in range(training.tp)]
+                    dist.all_gather(shards, mine.contiguous(), group=self.tp_group)
+                    full.copy_(sharding.merge_from_tp(source, shards, model, training.tp))
+            if training.pp > 1:
+                dist.broadcast(full, src=self.pp_ranks[owner], group=self.pp_group)
+            yield wanted[source].name, wanted[source].cut(full)
+            del full
+
+
+def full_gather_peak_bytes(training: TrainingLayout, element_size: int) -> int:
+    """Extra memory of the full-gather sync: the largest full tensor plus its gathered shards."""
+    largest = max(int(np.prod(shape))
+                  for shape in sharding.canonical_param_shapes(training.model).values())
+    return 2 * largest * element_size

@@ -1,0 +1,349 @@
+"""Who holds which rows of which weight, in the training layout and in each rollout layout.
+
+Why this module exists
+----------------------
+Resharding is only cheap if it is exact about geometry: a rank may skip receiving a row only if
+it provably holds that row already. So every layout here describes a rank's tensor as a list of
+row intervals of the *canonical* full tensor (mcore_rl.parallel.sharding: Megatron names, TP=1,
+unpadded vocab), concatenated along the parameter's split dimension, plus zero padding rows.
+Two layouts then compare by interval arithmetic alone, and the planner never needs to know what
+"QKV" or "vocab padding" mean.
+
+Every parameter is split along one dimension in every layout (dim 1 for row-parallel weights,
+dim 0 otherwise); a replicated tensor is the single interval covering that dimension.
+
+Rollout layouts
+---------------
+* ``vllm``: vLLM's tensor-parallel layout. QKVParallelLinear holds, per rank, its query heads,
+  then its KV heads, then the same KV heads' values (KV heads replicated when TP > KV heads);
+  MergedColumnParallelLinear holds [gate chunk; up chunk]; VocabParallelEmbedding/ParallelLMHead
+  pad the vocabulary to a multiple of 64 and split it evenly, padding rows zero; o_proj and
+  down_proj are row-parallel; norms replicated. Tensor names are vLLM's parameter names.
+  vLLM under ``external_launcher`` forms its TP groups from consecutive global ranks, so rank
+  r is rollout TP rank ``r % tp``: the grouping is fixed.
+* ``megatron``: Megatron-Core's own layout at the rollout TP, no pipeline (canonical names). Any
+  grouping of ranks works, so the planner picks the one that overlaps training shards most.
+* ``full``: every rank wants every full tensor (delivery form (a): HF-named full tensors for an
+  engine's ``load_weights``).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from mcore_rl.config.model import ModelConfig
+from mcore_rl.parallel import sharding
+from mcore_rl.parallel.sharding import ShardKind
+
+ENGINES = ("vllm", "megatron", "full")
+"""Rollout layouts: vLLM's TP layout, Megatron's TP layout, full tensors on every rank."""
+
+VLLM_VOCAB_PADDING = 64
+"""vLLM pads the vocabulary of VocabParallelEmbedding/ParallelLMHead to a multiple of this
+(``DEFAULT_VOCAB_PADDING_SIZE``) before splitting it over TP ranks."""
+
+Interval = tuple[int, int]
+"""[start, stop) along a parameter's split dimension, in canonical full coordinates."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One rank's tensor of one parameter, described against the canonical full tensor."""
+
+    name: str
+    """The name the rank uses for the tensor (training local name or engine parameter name)."""
+
+    source: str
+    """Canonical full parameter it is cut from."""
+
+    dim: int
+    """Dimension along which the tensor is cut (the parameter's split dimension)."""
+
+    pieces: tuple[Interval, ...]
+    """Canonical intervals along ``dim``, concatenated in this order."""
+
+    padding: int = 0
+    """Zero rows appended along ``dim`` after the pieces (vocabulary padding)."""
+
+    @property
+    def length(self) -> int:
+        """Extent of the tensor along ``dim``."""
+        return sum(stop - start for start, stop in self.pieces) + self.padding
+
+    def shape(self, full_shape: tuple) -> tuple:
+        """Shape of this tensor given the canonical full shape."""
+        shape = list(full_shape)
+        shape[self.dim] = self.length
+        return tuple(shape)
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        """This tensor cut from the canonical full tensor ``full`` (a new contiguous tensor)."""
+        parts = [full.narrow(self.dim, start, stop - start) for start, stop in self.pieces]
+        if self.padding:
+            shape = list(full.shape)
+            shape[self.dim] = self.padding
+            parts.append(full.new_zeros(shape))
+        return torch.cat(parts, dim=self.dim).contiguous()
+
+    def placed_pieces(self) -> Iterable[tuple[int, int, int]]:
+        """(canonical start, canonical stop, offset in this tensor) per piece."""
+        offset = 0
+        for start, stop in self.pieces:
+            yield start, stop, offset
+            offset += stop - start
+
+
+def split_dim(name: str) -> int:
+    """The dimension parameter ``name`` is split along in every layout."""
+    return 1 if sharding.shard_kind(name) is ShardKind.ROW else 0
+
+
+def _chunk(length: int, parts: int, index: int, base: int = 0) -> Interval:
+    """Interval ``index`` of ``parts`` equal chunks of [base, base + length)."""
+    size = length // parts
+    return base + index * size, base + (index + 1) * size
+
+
+def _merge_adjacent(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
+    """Intervals with touching neighbours joined, order kept."""
+    merged: list[list[int]] = []
+    for start, stop in intervals:
+        if merged and merged[-1][1] == start:
+            merged[-1][1] = stop
+        else:
+            merged.append([start, stop])
+    return tuple((start, stop) for start, stop in merged)
+
+
+def _vocab_pieces(vocab: int, padded: int, tp: int, tp_rank: int) -> tuple[tuple[Interval, ...], int]:
+    """(pieces, padding) of TP rank ``tp_rank`` when ``vocab`` rows are zero-padded to ``padded``
+    and split evenly."""
+    start, stop = _chunk(padded, tp, tp_rank)
+    real_stop = min(stop, vocab)
+    pieces = ((start, real_stop),) if start < real_stop else ()
+    return pieces, (stop - start) - max(0, real_stop - start)
+
+
+def megatron_pieces(name: str, model: ModelConfig, tp: int,
+                    tp_rank: int) -> tuple[tuple[Interval, ...], int]:
+    """(pieces, padding) of Megatron TP rank ``tp_rank`` for canonical parameter ``name``: the
+    same rows `sharding.split_for_tp` cuts."""
+    kind = sharding.shard_kind(name)
+    full = sharding.full_shape(name, model)
+    length = full[split_dim(name)]
+    if kind is ShardKind.REPLICATED:
+        return ((0, length),), 0
+    if kind is ShardKind.VOCAB:
+        return _vocab_pieces(model.vocab_size, model.padded_vocab_size(tp), tp, tp_rank)
+    if kind is ShardKind.GATE_UP:
+        half = length // 2
+        return (_chunk(half, tp, tp_rank), _chunk(half, tp, tp_rank, base=half)), 0
+    return (_chunk(length, tp, tp_rank),), 0  # COLUMN, ROW, QKV
+
+
+def vllm_vocab_size(model: ModelConfig) -> int:
+    """Rows of vLLM's embedding and LM head: the vocabulary padded to a multiple of 64."""
+    return -(-model.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+
+
+def _vllm_qkv_pieces(model: ModelConfig, tp: int, tp_rank: int) -> tuple[Interval, ...]:
+    """Rows of vLLM's QKVParallelLinear on ``tp_rank`` ([its q heads; its k heads; its v heads])
+    as intervals of Megatron's per-group fused layout."""
+    head_dim, q_per_group = model.kv_channels, model.heads_per_kv_group
+    group_rows = (q_per_group + 2) * head_dim
+    q_heads = range(*_chunk(model.num_attention_heads, tp, tp_rank))
+    if tp >= model.kv_heads:
+        kv_heads = [tp_rank // (tp // model.kv_heads)]
+    else:
+        kv_heads = range(*_chunk(model.kv_heads, tp, tp_rank))
+
+    def rows(group: int, head_in_group: int) -> Interval:
+        start = group * group_rows + head_in_group * head_dim
+        return start, start + head_dim
+
+    q = [rows(head // q_per_group, head % q_per_group) for head in q_heads]
+    k = [rows(group, q_per_group) for group in kv_heads]
+    v = [rows(group, q_per_group + 1) for group in kv_heads]
+    return _merge_adjacent(q) + _merge_adjacent(k) + _merge_adjacent(v)
+
+
+def vllm_pieces(name: str, model: ModelConfig, tp: int,
+                tp_rank: int) -> tuple[tuple[Interval, ...], int]:
+    """(pieces, padding) of vLLM TP rank ``tp_rank`` for canonical parameter ``name``."""
+    kind = sharding.shard_kind(name)
+    if kind is ShardKind.QKV:
+        return _vllm_qkv_pieces(model, tp, tp_rank), 0
+    if kind is ShardKind.VOCAB:
+        return _vocab_pieces(model.vocab_size, vllm_vocab_size(model), tp, tp_rank)
+    return megatron_pieces(name, model, tp, tp_rank)
+
+
+# --------------------------------------------------------------------------------------------
+# Names
+# --------------------------------------------------------------------------------------------
+
+_VLLM_LAYER_NAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
+    "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+"""Canonical per-layer suffix -> vLLM Llama-family parameter suffix."""
+
+_VLLM_GLOBAL_NAMES = {
+    sharding.EMBEDDING: "model.embed_tokens.weight",
+    sharding.FINAL_NORM: "model.norm.weight",
+    sharding.OUTPUT_LAYER: "lm_head.weight",
+}
+"""Canonical non-layer name -> vLLM Llama-family parameter name."""
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def vllm_name(canonical: str) -> str:
+    """vLLM's (Llama, Qwen2, Qwen3, Mistral) parameter name for canonical parameter ``canonical``."""
+    match = _LAYER.match(canonical)
+    if match:
+        return f"model.layers.{match.group(1)}.{_VLLM_LAYER_NAMES[match.group(2)]}"
+    return _VLLM_GLOBAL_NAMES[canonical]
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts
+# --------------------------------------------------------------------------------------------
+
+def _canonical_shapes(model: ModelConfig) -> dict[str, tuple]:
+    return sharding.canonical_param_shapes(model, head="lm")
+
+
+@dataclass(frozen=True)
+class TrainingLayout:
+    """Megatron-Core's training layout TP x PP x DP over ranks 0..world-1, in Megatron's default
+    rank order (``tp-cp-ep-dp-pp``: TP fastest, then DP, then PP)."""
+
+    model: ModelConfig
+    """The model being trained (LM head)."""
+
+    tp: int
+    """Training tensor-parallel size."""
+
+    pp: int
+    """Training pipeline-parallel size."""
+
+    dp: int
+    """Training data-parallel size."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def errors(self) -> list[str]:
+        """Broken rules of this layout (empty when valid)."""
+        return [f"training layout: {error}" for error in self.model.check(self.tp, self.pp)]
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, pp_rank, dp_rank) of global ``rank``."""
+        return rank % self.tp, rank // (self.tp * self.dp), (rank // self.tp) % self.dp
+
+    def held(self, rank: int) -> dict[str, ShardSpec]:
+        """Canonical source -> the shard this rank's model stage holds (local names). A tied
+        model's last-stage ``output_layer.weight`` copy is keyed by the embedding it copies."""
+        return _training_held(self, rank)
+
+
+@functools.lru_cache(maxsize=4096)
+def _training_held(layout: TrainingLayout, rank: int) -> dict[str, ShardSpec]:
+    tp_rank, pp_rank, _ = layout.coordinates(rank)
+    held = {}
+    for local, source in sharding.stage_params(layout.model, layout.pp, pp_rank).items():
+        pieces, padding = megatron_pieces(source, layout.model, layout.tp, tp_rank)
+        held[source] = ShardSpec(local, source, split_dim(source), pieces, padding)
+    return held
+
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    """A rollout engine's layout: TP x DP over the same ranks as training, no pipeline."""
+
+    model: ModelConfig
+    """The model being served."""
+
+    engine: str
+    """One of ENGINES."""
+
+    tp: int
+    """Rollout tensor-parallel size (ignored by the ``full`` layout: every rank holds all)."""
+
+    tp_rank_of: tuple[int, ...]
+    """Rollout TP rank of every global rank."""
+
+    dp_rank_of: tuple[int, ...]
+    """Rollout DP rank (which engine replica) of every global rank."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.tp_rank_of)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    def wanted(self, rank: int) -> dict[str, ShardSpec]:
+        """Canonical source -> the shard this rank's engine part needs (engine names)."""
+        return _rollout_wanted(self, rank)
+
+    def group_ranks(self) -> list[list[int]]:
+        """Global ranks of every rollout TP group, by DP rank, each in TP-rank order."""
+        groups = [[0] * self.tp for _ in range(self.dp)]
+        for rank, (tp_rank, dp_rank) in enumerate(zip(self.tp_rank_of, self.dp_rank_of)):
+            groups[dp_rank][tp_rank] = rank
+        return groups
+
+
+@functools.lru_cache(maxsize=4096)
+def _rollout_wanted(layout: RolloutLayout, rank: int) -> dict[str, ShardSpec]:
+    tp_rank = layout.tp_rank_of[rank]
+    wanted = {}
+    for source, shape in _canonical_shapes(layout.model).items():
+        dim = split_dim(source)
+        if layout.engine == "full":
+            wanted[source] = ShardSpec(source, source, dim, ((0, shape[dim]),))
+        elif layout.engine == "vllm":
+            pieces, padding = vllm_pieces(source, layout.model, layout.tp, tp_rank)
+            wanted[source] = ShardSpec(vllm_name(source), source, dim, pieces, padding)
+        else:
+            pieces, padding = megatron_pieces(source, layout.model, layout.tp, tp_rank)
+            wanted[source] = ShardSpec(source, source, dim, pieces, padding)
+    return wanted
+
+
+def rollout_errors(model: ModelConfig, engine: str, tp: int, world_size: int) -> list[str]:
+    """Why a rollout layout cannot be built (empty when it can)."""
+    if engine not in ENGINES:
+        return [f"rollout engine {engine!r} must be one of {ENGINES}"]
+    if tp < 1 or world_size % tp:
+        return [f"rollout tensor-parallel size {tp} must divide the world size {world_size}"]
+    if engine == "full":
+        return []
+    errors = [f"rollout layout: {error}" for error in model.check(tp, 1)]
+    if engine == "vllm" and vllm_vocab_size(model) % tp:
+        errors.append(f"rollout layout: vLLM pads vocab_size={model.vocab_size} to "
+                      f"{vllm_vocab_size(model)} rows (a multiple of {VLLM_VOCAB_PADDING}), "
+                      f"which rollout tensor-parallel size {tp} must divide")
+    return errors
+
+
+def consecutive_grouping(world_size: int, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(tp_rank_of, dp_rank_of) when TP groups are consecutive ranks (vLLM's fixed grouping)."""
+    ranks = range(world_size)
+    return tuple(rank % tp for rank in ranks), tuple(rank // tp for rank in ranks)

@@ -1,0 +1,82 @@
+"""Slow, obvious reference layouts for the resharding tests, written from the engines' published
+definitions rather than from mcore_rl.resharding.
+
+* vLLM (vllm/model_executor/layers/linear.py, vocab_parallel_embedding.py): starting from the HF
+  tensors, QKVParallelLinear rank r holds [q rows of heads r*nq/t..; k rows of its KV heads; v
+  rows of the same heads], a KV head shared by t/nkv ranks when t > nkv;
+  MergedColumnParallelLinear holds [gate chunk r; up chunk r]; RowParallelLinear chunks the
+  input dimension; the embedding and LM head are zero-padded to a multiple of 64 rows and
+  chunked; norms are replicated.
+* Megatron at another TP: `sharding.split_for_tp` at PP=1 (tested against transformers).
+* Full: the canonical tensor itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mcore_rl.config import ModelConfig
+from mcore_rl.conversion.architectures import ARCHITECTURES
+from mcore_rl.parallel import sharding
+
+LLAMA = ARCHITECTURES["LlamaForCausalLM"]
+
+
+def reference_full_state(model: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator)
+            for name, shape in sharding.canonical_param_shapes(model).items()}
+
+
+def _rows(tensor: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    return tensor[first:first + count]
+
+
+def vllm_reference(full_state: dict, model: ModelConfig, tp: int, rank: int) -> dict:
+    """vLLM parameter name -> the tensor rank ``rank`` of a TP=``tp`` engine holds."""
+    hf = {}
+    for name, tensor in full_state.items():
+        hf.update(LLAMA.from_canonical(name, tensor, model))
+    d, nq, nkv = model.kv_channels, model.num_attention_heads, model.kv_heads
+    result = {}
+    for name, tensor in hf.items():
+        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
+            continue
+        if ".q_proj." in name:
+            k, v = hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]
+            q_heads = nq // tp
+            if tp >= nkv:
+                kv_first, kv_count = rank // (tp // nkv), 1
+            else:
+                kv_first, kv_count = rank * (nkv // tp), nkv // tp
+            result[name.replace("q_proj", "qkv_proj")] = torch.cat([
+                _rows(tensor, rank * q_heads * d, q_heads * d),
+                _rows(k, kv_first * d, kv_count * d), _rows(v, kv_first * d, kv_count * d)])
+        elif ".gate_proj." in name:
+            up = hf[name.replace("gate_proj", "up_proj")]
+            result[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
+                [tensor.chunk(tp)[rank], up.chunk(tp)[rank]])
+        elif ".o_proj." in name or ".down_proj." in name:
+            result[name] = tensor.chunk(tp, dim=1)[rank]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            padded_rows = -(-model.vocab_size // 64) * 64
+            padded = F.pad(tensor, (0, 0, 0, padded_rows - model.vocab_size))
+            result[name] = padded.chunk(tp)[rank]
+        else:
+            result[name] = tensor
+    return result
+
+
+def megatron_reference(full_state: dict, model: ModelConfig, tp: int, rank: int) -> dict:
+    return {name: sharding.split_for_tp(name, tensor, model, tp, rank)
+            for name, tensor in full_state.items()}
+
+
+def expected_shards(full_state: dict, model: ModelConfig, engine: str, tp: int,
+                    tp_rank: int) -> dict:
+    if engine == "vllm":
+        return vllm_reference(full_state, model, tp, tp_rank)
+    if engine == "megatron":
+        return megatron_reference(full_state, model, tp, tp_rank)
+    return dict(full_state)

@@ -1,0 +1,145 @@
+"""What one rank of a resharding world does (run by tests/test_resharding_world.py).
+
+Every rank cuts its training shards from the same reference weights, runs the real gloo
+resharder, and compares each delivered tensor bitwise with the reference layouts. Results are
+written by rank 0 as a dict of {check name: list of per-rank findings}; an exception on any rank
+fails the world.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import ModelConfig
+from mcore_rl.parallel import sharding
+from mcore_rl.resharding import (PlanError, Resharder, TrainingLayout, build_plan,
+                                 make_rollout_layout)
+from mcore_rl.resharding.delivery import hf_named
+from resharding_reference import LLAMA, expected_shards, reference_full_state
+
+
+def _gather(value) -> list:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def _local_shards(full, layout: TrainingLayout) -> dict[str, torch.Tensor]:
+    tp_rank, pp_rank, _ = layout.coordinates(dist.get_rank())
+    return sharding.shard_full_state(full, layout.model, layout.tp, layout.pp, tp_rank, pp_rank)
+
+
+def _mismatches(delivered: dict, expected: dict) -> list[str]:
+    """Names that are missing, extra or not bitwise equal."""
+    wrong = sorted(set(delivered) ^ set(expected))
+    wrong += [name for name in delivered if name in expected
+              and not torch.equal(delivered[name], expected[name])]
+    return wrong
+
+
+def check_pair(model: ModelConfig, training_dims, engine: str, rollout_tp: int,
+               bucket_bytes: int) -> dict:
+    """Deliver one layout pair; returns what this rank found."""
+    full = reference_full_state(model)
+    layout = TrainingLayout(model, *training_dims)
+    rollout = make_rollout_layout(layout, engine, rollout_tp)
+    plan = build_plan(layout, rollout, torch.float32)
+    resharder = Resharder(plan, bucket_bytes=bucket_bytes)
+    delivered = dict(resharder.sync(_local_shards(full, layout)))
+    rank = dist.get_rank()
+    if engine == "full":
+        expected_hf = {}
+        for name, tensor in full.items():
+            expected_hf.update(LLAMA.from_canonical(name, tensor, model))
+        hf = dict(hf_named(delivered.items(), LLAMA, model))
+        wrong = _mismatches(hf, expected_hf)
+    else:
+        wrong = _mismatches(delivered, expected_shards(full, model, engine, rollout_tp,
+                                                       rollout.tp_rank_of[rank]))
+    return {"wrong": wrong, "digest": plan.digest(), "buckets": len(resharder._buckets),
+            "count": len(delivered)}
+
+
+def check_bad_input(model: ModelConfig) -> str:
+    """Rank 1 lacks one tensor: every rank must raise before anything is sent."""
+    layout = TrainingLayout(model, 2, 2, 1)
+    plan = build_plan(layout, make_rollout_layout(layout, "vllm", 4), torch.float32)
+    local = _local_shards(reference_full_state(model), layout)
+    if dist.get_rank() == 1:
+        local.pop("decoder.layers.0.mlp.linear_fc2.weight")
+    try:
+        dict(Resharder(plan).sync(local))
+    except PlanError as error:
+        return str(error)
+    return "no error"
+
+
+def run_checks(model: ModelConfig, cases: list, out_path: str, with_bad_input: bool) -> None:
+    dist.init_process_group("gloo")
+    results = {}
+    for training_dims, engine, rollout_tp, bucket_bytes in cases:
+        key = f"{training_dims}->{engine}{rollout_tp}"
+        results[key] = _gather(check_pair(model, training_dims, engine, rollout_tp,
+                                          bucket_bytes))
+    if with_bad_input:
+        results["bad_input"] = _gather(check_bad_input(model))
+        tied = dataclasses.replace(model, tie_embeddings=True)
+        results["tied after bad input"] = _gather(check_pair(tied, (2, 2, 1), "vllm", 4, 1 << 14))
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# With a real Megatron model and optimizer
+# --------------------------------------------------------------------------------------------
+
+def run_megatron_sync(model: ModelConfig, out_path: str) -> None:
+    """TP2 x PP2 Megatron model: sync to vLLM TP4, take an optimizer step, sync again."""
+    from layout_worker import ROWS, policy_style_loss, reference_batch
+    from mcore_rl.config import (BatchConfig, JobConfig, OptimizerConfig, ParallelConfig,
+                                 RuntimeConfig)
+    from mcore_rl.models import build_gpt_model, load_full_state, local_state
+    from mcore_rl.models.weights import local_parameters
+    from mcore_rl.resharding.execute import megatron_training_layout
+    from mcore_rl.runtime import initialize, shutdown
+    from mcore_rl.training import make_trainable, shard_for_data_parallel, train_step
+
+    parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    optimizer = OptimizerConfig(lr=1e-2, clip_grad=1.0)
+    config = JobConfig(model=model, parallel=parallel, optimizer=optimizer,
+                       batch=BatchConfig(global_batch_size=ROWS, micro_batch_size=2,
+                                         seq_length=24),
+                       runtime=RuntimeConfig(collective_timeout_minutes=3))
+    initialize(config)
+    from megatron.core import parallel_state as ps
+
+    module = build_gpt_model(model, parallel, "fp32")
+    load_full_state(module, reference_full_state(model), model, parallel)
+    trainable = make_trainable(module, optimizer, "fp32")
+    layout = megatron_training_layout(model)
+    plan = build_plan(layout, make_rollout_layout(layout, "vllm", 4), torch.float32)
+    resharder = Resharder(plan, bucket_bytes=1 << 16)
+
+    def sync_and_compare() -> list[str]:
+        delivered = dict(resharder.sync(local_parameters(module)))
+        key = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+        merged = sharding.merge_shards(dict(_gather((key, local_state(module)))), model, 2, 2)
+        return _mismatches(delivered, expected_shards(merged, model, "vllm", 4,
+                                                      plan.rollout.tp_rank_of[dist.get_rank()]))
+
+    before = sync_and_compare()
+    first = {name: tensor.clone() for name, tensor in resharder.sync(local_parameters(module))}
+    batch = shard_for_data_parallel(reference_batch(model), 0, 1)
+    train_step(trainable, batch, 2, policy_style_loss, "lm", model.vocab_size)
+    after = sync_and_compare()
+    second = dict(resharder.sync(local_parameters(module)))
+    changed = [name for name in first if not torch.equal(first[name], second[name])]
+    result = _gather({"before": before, "after": after, "changed": len(changed),
+                      "total": len(first)})
+    if dist.get_rank() == 0:
+        torch.save(result, out_path)
+    shutdown()

@@ -1,0 +1,171 @@
+"""The resharding plan, checked in-process without communication.
+
+Each plan is executed "by hand" on tensors cut by the trainer's own sharding rules, and every
+delivered shard is compared bitwise with slow reference layouts written from vLLM's and
+Megatron's definitions (tests/resharding_reference.py). Received bytes are compared with a lower
+bound counted by brute force: full tensors filled with distinct values, and for each rank the
+number of values of its rollout shard that appear nowhere in its training shard.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mcore_rl.config import ModelConfig
+from mcore_rl.parallel import sharding
+from mcore_rl.resharding import PlanError, TrainingLayout, build_plan, make_rollout_layout
+from mcore_rl.resharding.full_gather import full_gather_transfers
+from mcore_rl.resharding.plan import traffic_of
+from resharding_reference import expected_shards, reference_full_state
+
+# 8 heads, 2 KV heads (TP 4 and 8 replicate KV heads in vLLM); vocab 1000 is padded differently
+# by Megatron (multiple of 128 x TP) and vLLM (multiple of 64); QKV bias and QK-norm on.
+MODEL = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
+                    num_kv_heads=2, vocab_size=1000, max_position_embeddings=64, qkv_bias=True,
+                    qk_norm=True)
+TIED = dataclasses.replace(MODEL, tie_embeddings=True, qkv_bias=False, qk_norm=False,
+                           num_kv_heads=4)
+
+# (training tp, pp, dp) -> (engine, rollout tp): the benchmark pairs plus edge cases.
+PAIRS = [
+    ((2, 2, 1), ("vllm", 2)), ((2, 2, 1), ("vllm", 4)), ((1, 4, 1), ("vllm", 2)),
+    ((4, 2, 1), ("vllm", 2)), ((2, 2, 2), ("vllm", 4)), ((2, 2, 1), ("megatron", 4)),
+    ((4, 2, 1), ("megatron", 2)), ((2, 2, 2), ("megatron", 4)), ((1, 1, 4), ("vllm", 4)),
+    ((4, 1, 2), ("vllm", 8)), ((2, 2, 1), ("full", 1)), ((2, 4, 1), ("megatron", 8)),
+]
+
+
+def training_shards(full_state, layout: TrainingLayout) -> dict[int, dict[str, torch.Tensor]]:
+    """Every rank's local training state, cut by the trainer's sharding rules."""
+    shards = {}
+    for rank in range(layout.world_size):
+        tp_rank, pp_rank, _ = layout.coordinates(rank)
+        shards[rank] = sharding.shard_full_state(full_state, layout.model, layout.tp,
+                                                 layout.pp, tp_rank, pp_rank)
+    return shards
+
+
+def execute_by_hand(plan, local_states) -> dict[int, dict[str, torch.Tensor]]:
+    """Apply every transfer of the plan with plain indexing (no communication)."""
+    delivered = {}
+    for rank in range(plan.training.world_size):
+        delivered[rank] = {}
+        for param in plan.params:
+            spec = plan.rollout.wanted(rank)[param.source]
+            out = torch.zeros(spec.shape(param.full_shape))
+            for run in param.transfers + param.local_copies:
+                if run.dst != rank:
+                    continue
+                sender_name = plan.training.held(run.src)[param.source].name
+                rows = local_states[run.src][sender_name].narrow(param.dim, run.src_offset,
+                                                                 run.length)
+                out.narrow(param.dim, run.dst_offset, run.length).copy_(rows)
+            delivered[rank][spec.name] = out
+    return delivered
+
+
+def brute_force_lower_bound(model, layout, rollout) -> list[int]:
+    """Elements of each rank's rollout shard that its training shard does not contain, found by
+    value: every element of the full model gets a distinct value."""
+    offset, distinct = 1, {}
+    for name, shape in sharding.canonical_param_shapes(model).items():
+        count = int(torch.Size(shape).numel())
+        distinct[name] = torch.arange(offset, offset + count, dtype=torch.float64).reshape(shape)
+        offset += count
+    held = training_shards(distinct, layout)
+    lacking = []
+    for rank in range(layout.world_size):
+        have = torch.cat([t.flatten() for t in held[rank].values()])
+        want = torch.cat([t.flatten() for t in expected_shards(
+            distinct, model, rollout.engine, rollout.tp, rollout.tp_rank_of[rank]).values()])
+        want = want[want != 0]  # padding rows are zero, never sent
+        lacking.append(int((~torch.isin(want, have)).sum()))
+    return lacking
+
+
+@pytest.mark.parametrize("model", [MODEL, TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize("training_dims,rollout_dims", PAIRS,
+                         ids=[f"tp{t}pp{p}dp{d}-{e}{r}" for (t, p, d), (e, r) in PAIRS])
+def test_plan_delivers_reference_shards_and_only_missing_rows(model, training_dims,
+                                                              rollout_dims):
+    layout = TrainingLayout(model, *training_dims)
+    rollout = make_rollout_layout(layout, *rollout_dims)
+    plan = build_plan(layout, rollout, torch.float32)
+    full = reference_full_state(model)
+    delivered = execute_by_hand(plan, training_shards(full, layout))
+    for rank, shards in delivered.items():
+        expected = expected_shards(full, model, rollout.engine, rollout.tp,
+                                   rollout.tp_rank_of[rank])
+        assert shards.keys() == expected.keys()
+        for name, tensor in shards.items():
+            assert torch.equal(tensor, expected[name]), f"rank {rank} {name}"
+
+    received = plan.traffic().received
+    lower_bound = brute_force_lower_bound(model, layout, rollout)
+    assert [int(b) // 4 for b in received] == lower_bound
+    full_gather = traffic_of(full_gather_transfers(layout), layout.world_size, 4).received
+    print(f"{training_dims}->{rollout_dims}: received {received.sum()} bytes, full-gather "
+          f"{full_gather.sum()}")
+
+
+def test_vllm_grouping_is_consecutive_and_megatron_grouping_overlaps_training_shards():
+    layout = TrainingLayout(MODEL, 2, 2, 1)
+    vllm = make_rollout_layout(layout, "vllm", 4)
+    assert vllm.group_ranks() == [[0, 1, 2, 3]]
+    megatron = make_rollout_layout(layout, "megatron", 4)
+    # Rank (tp=1, pp=0) holds the second half of stage 0's rows: it must take rollout TP rank
+    # 2 or 3 (rows inside that half), not 1.
+    assert megatron.tp_rank_of[1] in (2, 3) and megatron.tp_rank_of[2] in (0, 1)
+    vllm_bytes = build_plan(layout, vllm, torch.float32).traffic().received.sum()
+    megatron_bytes = build_plan(layout, megatron, torch.float32).traffic().received.sum()
+    assert megatron_bytes < 0.8 * vllm_bytes
+
+
+def test_plan_is_deterministic_and_layers_of_a_stage_share_geometry():
+    layout = TrainingLayout(MODEL, 2, 2, 1)
+    rollout = make_rollout_layout(layout, "vllm", 4)
+    first = build_plan(layout, rollout, torch.float32)
+    second = build_plan(layout, rollout, torch.float32)
+    assert first.digest() == second.digest()
+    assert build_plan(layout, rollout, torch.bfloat16).digest() != first.digest()
+
+
+def test_buckets_respect_the_budget_on_every_rank():
+    layout = TrainingLayout(MODEL, 2, 2, 1)
+    plan = build_plan(layout, make_rollout_layout(layout, "vllm", 4), torch.float32)
+    budget = 40_000
+    buckets = plan.buckets(budget)
+    assert [p.source for bucket in buckets for p in bucket] == [p.source for p in plan.params]
+    assert len(buckets) > 1
+    for bucket in buckets:
+        load = traffic_of(bucket, 4, 4)
+        if len(bucket) > 1:
+            assert (load.received + load.sent).max() <= budget
+
+
+@pytest.mark.parametrize("engine,tp,message", [
+    ("vllm", 3, "rollout layout: model.num_attention_heads=8 must be divisible by "
+                "tensor_model_parallel_size=3"),
+    ("megatron", 4, "rollout tensor-parallel size 4 must divide the world size 6"),
+    ("sglang", 2, "must be one of"),
+])
+def test_bad_rollout_layouts_are_refused_before_planning(engine, tp, message):
+    with pytest.raises(PlanError, match=message):
+        make_rollout_layout(TrainingLayout(MODEL, 2, 1, 3), engine, tp)
+
+
+def test_vllm_vocabulary_rule():
+    # vLLM pads 100 rows to 128 = 2 x 64, which TP 3 cannot split; Megatron pads to 384.
+    model = ModelConfig(num_layers=2, hidden_size=96, ffn_hidden_size=96, num_attention_heads=6,
+                        num_kv_heads=3, vocab_size=100, max_position_embeddings=64)
+    layout = TrainingLayout(model, 1, 1, 3)
+    with pytest.raises(PlanError, match="vLLM pads vocab_size=100 to 128"):
+        make_rollout_layout(layout, "vllm", 3)
+    make_rollout_layout(layout, "megatron", 3)
+
+
+def test_layouts_over_different_worlds_are_refused():
+    rollout = make_rollout_layout(TrainingLayout(MODEL, 2, 2, 1), "vllm", 2)
+    with pytest.raises(PlanError, match="covers 4 ranks but the training layout covers 8"):
+        build_plan(TrainingLayout(MODEL, 2, 2, 2), rollout, torch.float32)
