@@ -3,6 +3,8 @@
     mcore-rl smoke --config configs/smoke.yaml parallel.tensor_model_parallel_size=2
     mcore-rl convert hf-to-mcore --hf PATH --out DIR --tp N --pp M
     mcore-rl convert mcore-to-hf --ckpt DIR --out PATH
+    mcore-rl plan --model configs/models/llama3-70b.yaml --train-tp 8 --train-pp 4 \
+        --rollout-tp 8 --gpus 64,256,1024
 
 Every rank of a torchrun/srun world runs the same command line (see scripts/torchrun.sh);
 conversions also run as a single process.
@@ -15,6 +17,9 @@ import sys
 import time
 
 from .config import ConfigError, load_config
+from .resharding.dry_run import Links
+from .models.transformer_config import DTYPES
+from .resharding.layouts import ENGINES
 from .runtime.log import quiet_known_warnings
 
 
@@ -37,7 +42,40 @@ def _parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--out", required=True, help="HF folder to create")
     to_hf.add_argument("--architecture", help="HF architecture (default: the source's)")
     to_hf.add_argument("--max-file-gb", type=float, default=2.0, help="safetensors file size")
+
+    plan = commands.add_parser("plan", help="dry-run a weight sync: bytes, memory, time per rank")
+    plan.add_argument("--model", required=True, help="YAML with a model section "
+                      "(configs/models/*.yaml)")
+    plan.add_argument("--train-tp", type=int, required=True, help="training tensor-parallel size")
+    plan.add_argument("--train-pp", type=int, default=1, help="training pipeline-parallel size")
+    plan.add_argument("--rollout-tp", type=int, required=True, help="rollout tensor-parallel size")
+    plan.add_argument("--gpus", required=True,
+                      help="world size, or comma-separated world sizes for a table")
+    plan.add_argument("--engine", default="vllm", choices=ENGINES, help="rollout layout")
+    plan.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weight dtype")
+    plan.add_argument("--gpus-per-node", type=int, default=Links.gpus_per_node)
+    plan.add_argument("--intra-node-gbps", type=float, default=Links.intra_node_gbps)
+    plan.add_argument("--inter-node-gbps", type=float, default=Links.inter_node_gbps)
+    plan.add_argument("--bucket-mb", type=float, default=512, help="resharder bucket size")
     return parser
+
+
+def _plan(args) -> None:
+    from .resharding.dry_run import estimate, table_header, table_row
+    from .resharding.layouts import TrainingLayout
+
+    model = load_config(args.model).model
+    links = Links(args.gpus_per_node, args.intra_node_gbps, args.inter_node_gbps)
+    replica = args.train_tp * args.train_pp
+    print("\n".join(table_header()))
+    for gpus in (int(value) for value in args.gpus.split(",")):
+        if gpus % replica:
+            raise ValueError(f"--gpus {gpus} is not a multiple of --train-tp x --train-pp = "
+                             f"{replica}")
+        training = TrainingLayout(model, args.train_tp, args.train_pp, gpus // replica)
+        rollout, estimates = estimate(model, training, args.engine, args.rollout_tp,
+                                      DTYPES[args.dtype], links, int(args.bucket_mb * 1024 ** 2))
+        print(table_row(training, rollout, estimates), flush=True)
 
 
 def _convert(args) -> None:
@@ -64,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             _convert(args)
+        elif args.command == "plan":
+            _plan(args)
         elif args.command == "smoke":
             from .smoke import run_smoke
             run_smoke(load_config(args.config, args.overrides))

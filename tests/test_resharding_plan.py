@@ -16,7 +16,7 @@ from mcore_rl.config import ModelConfig
 from mcore_rl.parallel import sharding
 from mcore_rl.resharding import PlanError, TrainingLayout, build_plan, make_rollout_layout
 from mcore_rl.resharding.full_gather import full_gather_transfers
-from mcore_rl.resharding.plan import traffic_of
+from mcore_rl.resharding.plan import bucket_load, traffic_of
 from resharding_reference import expected_shards, reference_full_state
 
 # 8 heads, 2 KV heads (TP 4 and 8 replicate KV heads in vLLM); vocab 1000 is padded differently
@@ -131,17 +131,23 @@ def test_plan_is_deterministic_and_layers_of_a_stage_share_geometry():
     assert build_plan(layout, rollout, torch.bfloat16).digest() != first.digest()
 
 
-def test_buckets_respect_the_budget_on_every_rank():
+@pytest.mark.parametrize("budget", [40_000, 3_000])
+def test_buckets_respect_the_budget_and_carry_every_row_once(budget):
     layout = TrainingLayout(MODEL, 2, 2, 1)
     plan = build_plan(layout, make_rollout_layout(layout, "vllm", 4), torch.float32)
-    budget = 40_000
     buckets = plan.buckets(budget)
-    assert [p.source for bucket in buckets for p in bucket] == [p.source for p in plan.params]
-    assert len(buckets) > 1
+    order = [param.source for bucket in buckets for param, _ in bucket]
+    assert list(dict.fromkeys(order)) == [param.source for param in plan.params]
     for bucket in buckets:
-        load = traffic_of(bucket, 4, 4)
-        if len(bucket) > 1:
-            assert (load.received + load.sent).max() <= budget
+        assert bucket_load(bucket, 4, 4).max() <= budget
+    for param in plan.params:
+        # every (src, dst, canonical row) of the parameter is carried exactly once
+        carried = sorted((run.src, run.dst, run.dst_offset + row) for bucket in buckets
+                         for entry, runs in bucket if entry.source == param.source
+                         for run in runs for row in range(run.length))
+        wanted = sorted((run.src, run.dst, run.dst_offset + row) for run in param.transfers
+                        for row in range(run.length))
+        assert carried == wanted, param.source
 
 
 @pytest.mark.parametrize("engine,tp,message", [

@@ -11,11 +11,13 @@ builds a full tensor it does not want (peers all-gather then slice). The same co
 Memory and overlap
 ------------------
 Buckets are cut from the global plan so that on every rank the bytes sent plus received in one
-bucket are at most half of ``bucket_bytes``; the next bucket's messages are posted before the
-current bucket's shards are handed out, so communication overlaps the engine's loading and at
-most ``bucket_bytes`` of communication buffers exist at once. Each delivered shard is a new
-tensor the consumer owns; peak extra memory is therefore at most ``bucket_bytes`` plus the shard
-being consumed (the largest rollout shard of one parameter).
+bucket are at most half of ``bucket_bytes`` (a large parameter is spread over several buckets
+in row chunks); the next bucket's messages are posted before the current bucket's shards are
+handed out, so communication overlaps the engine's loading and at most ``bucket_bytes`` of
+communication buffers exist at once. A rollout shard is allocated when its parameter's first
+bucket arrives and handed out after its last; the consumer owns it. Peak extra memory is
+therefore ``bucket_bytes`` plus the shards under construction (one parameter's, two at a
+bucket boundary).
 
 Failure
 -------
@@ -32,8 +34,8 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from .layouts import ShardSpec, TrainingLayout
-from .plan import ParamPlan, PlanError, ReshardPlan, Transfer
+from .layouts import TrainingLayout
+from .plan import BucketEntry, ParamPlan, PlanError, ReshardPlan, Transfer
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 ** 2
 """Communication buffer budget per rank (two half-size buckets in flight)."""
@@ -44,7 +46,10 @@ class _Bucket:
     """This rank's share of one bucket of the plan."""
 
     index: int
-    params: list[ParamPlan]
+    entries: list[BucketEntry]
+    """Parameters touched by the bucket, each with the runs the bucket carries."""
+    finished: list[ParamPlan]
+    """Parameters whose last runs are in this bucket: their shards are complete after it."""
     sends: dict[int, list[tuple[ParamPlan, Transfer]]]
     """Receiver rank -> runs this rank sends it, in packing order."""
     receives: dict[int, list[tuple[ParamPlan, Transfer]]]
@@ -77,19 +82,26 @@ class Resharder:
         self._full_shapes = {param.source: param.full_shape for param in plan.params}
         self._local_copies = {param.source: [t for t in param.local_copies if t.dst == self.rank]
                               for param in plan.params}
-        self._buckets = [self._my_share(index, params) for index, params in
-                         enumerate(plan.buckets(bucket_bytes // 2))]
+        buckets = plan.buckets(bucket_bytes // 2)
+        last_bucket = {param.source: index for index, entries in enumerate(buckets)
+                       for param, _ in entries}
+        self._buckets = [self._my_share(index, entries, last_bucket)
+                         for index, entries in enumerate(buckets)]
+        self.received_bytes = 0
+        """Bytes this rank received in the last sync (for metrics and benchmarks)."""
 
-    def _my_share(self, index: int, params: list[ParamPlan]) -> _Bucket:
+    def _my_share(self, index: int, entries: list[BucketEntry],
+                  last_bucket: Mapping[str, int]) -> _Bucket:
         sends: dict[int, list] = {}
         receives: dict[int, list] = {}
-        for param in params:
-            for transfer in param.transfers:
-                if transfer.src == self.rank:
-                    sends.setdefault(transfer.dst, []).append((param, transfer))
-                if transfer.dst == self.rank:
-                    receives.setdefault(transfer.src, []).append((param, transfer))
-        return _Bucket(index, params, sends, receives)
+        for param, runs in entries:
+            for run in runs:
+                if run.src == self.rank:
+                    sends.setdefault(run.dst, []).append((param, run))
+                if run.dst == self.rank:
+                    receives.setdefault(run.src, []).append((param, run))
+        finished = [param for param, _ in entries if last_bucket[param.source] == index]
+        return _Bucket(index, entries, finished, sends, receives)
 
     # ----------------------------------------------------------------------------------------
 
@@ -99,14 +111,19 @@ class Resharder:
         names, as `models.weights.local_parameters` gives) to its shards. Every rank must iterate
         the whole generator: the messages are collective."""
         by_source = self._check_inputs(local_tensors)
+        self.received_bytes = 0
         if not self._buckets:
             return
+        partial: dict[str, torch.Tensor] = {}
         pending = self._post(self._buckets[0], by_source)
         for position, bucket in enumerate(self._buckets):
             received = self._wait(pending)
             if position + 1 < len(self._buckets):
                 pending = self._post(self._buckets[position + 1], by_source)
-            yield from self._assemble(bucket, by_source, received)
+            self._unpack(bucket, by_source, received, partial)
+            for param in bucket.finished:
+                if param.source in partial:
+                    yield self.wanted[param.source].name, partial.pop(param.source)
 
     def _check_inputs(self, local_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical source -> local tensor, after every rank agreed that all inputs are valid."""
@@ -154,6 +171,7 @@ class Resharder:
             buffers[src] = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=dtype,
                                        device=device)
             handles.append(dist.irecv(buffers[src], src=src, tag=bucket.index))
+            self.received_bytes += buffers[src].numel() * buffers[src].element_size()
         for dst, runs in sorted(bucket.sends.items()):
             packed = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=dtype,
                                  device=device)
@@ -174,35 +192,31 @@ class Resharder:
             handle.wait()
         return buffers
 
-    def _assemble(self, bucket: _Bucket, by_source: Mapping[str, torch.Tensor],
-                  received: Mapping[int, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's rollout shards of the bucket's parameters, from local rows and the
-        received buffers."""
-        runs_by_param: dict[str, list[tuple[Transfer, torch.Tensor]]] = {}
+    def _unpack(self, bucket: _Bucket, by_source: Mapping[str, torch.Tensor],
+                received: Mapping[int, torch.Tensor], partial: dict[str, torch.Tensor]) -> None:
+        """Write the bucket's rows into this rank's rollout shards (``partial``, by source),
+        starting a shard with its local rows the first time its parameter appears."""
+        for param, _ in bucket.entries:
+            if param.source in self.wanted and param.source not in partial:
+                partial[param.source] = self._start_shard(param, by_source)
         for src, runs in bucket.receives.items():
             offset = 0
-            for param, transfer in runs:
-                count = _run_elements(param, transfer)
-                view = received[src][offset:offset + count].view(_run_shape(param, transfer.length))
-                runs_by_param.setdefault(param.source, []).append((transfer, view))
+            for param, run in runs:
+                count = _run_elements(param, run)
+                rows = received[src][offset:offset + count].view(_run_shape(param, run.length))
+                partial[param.source].narrow(param.dim, run.dst_offset, run.length).copy_(rows)
                 offset += count
-        for param in bucket.params:
-            spec: ShardSpec | None = self.wanted.get(param.source)
-            if spec is None:
-                continue
-            yield spec.name, self._build(param, spec, by_source, runs_by_param.get(param.source, []))
 
-    def _build(self, param: ParamPlan, spec: ShardSpec, by_source: Mapping[str, torch.Tensor],
-               remote_runs: list[tuple[Transfer, torch.Tensor]]) -> torch.Tensor:
-        device = self._device(by_source)
+    def _start_shard(self, param: ParamPlan, by_source: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """A new rollout shard of ``param`` holding the rows this rank already has (padding rows
+        zero)."""
+        spec = self.wanted[param.source]
         shape = spec.shape(param.full_shape)
-        out = (torch.zeros if spec.padding else torch.empty)(shape, dtype=self.plan.dtype,
-                                                            device=device)
-        for transfer in self._local_copies[param.source]:
-            out.narrow(param.dim, transfer.dst_offset, transfer.length).copy_(
-                by_source[param.source].narrow(param.dim, transfer.src_offset, transfer.length))
-        for transfer, view in remote_runs:
-            out.narrow(param.dim, transfer.dst_offset, transfer.length).copy_(view)
+        out = (torch.zeros if spec.padding else torch.empty)(
+            shape, dtype=self.plan.dtype, device=self._device(by_source))
+        for run in self._local_copies[param.source]:
+            out.narrow(param.dim, run.dst_offset, run.length).copy_(
+                by_source[param.source].narrow(param.dim, run.src_offset, run.length))
         return out
 
 

@@ -222,10 +222,6 @@ def vllm_name(canonical: str) -> str:
 # Layouts
 # --------------------------------------------------------------------------------------------
 
-def _canonical_shapes(model: ModelConfig) -> dict[str, tuple]:
-    return sharding.canonical_param_shapes(model, head="lm")
-
-
 @dataclass(frozen=True)
 class TrainingLayout:
     """Megatron-Core's training layout TP x PP x DP over ranks 0..world-1, in Megatron's default
@@ -258,15 +254,16 @@ class TrainingLayout:
     def held(self, rank: int) -> dict[str, ShardSpec]:
         """Canonical source -> the shard this rank's model stage holds (local names). A tied
         model's last-stage ``output_layer.weight`` copy is keyed by the embedding it copies."""
-        return _training_held(self, rank)
+        tp_rank, pp_rank, _ = self.coordinates(rank)
+        return _training_held(self.model, self.tp, self.pp, tp_rank, pp_rank)
 
 
 @functools.lru_cache(maxsize=4096)
-def _training_held(layout: TrainingLayout, rank: int) -> dict[str, ShardSpec]:
-    tp_rank, pp_rank, _ = layout.coordinates(rank)
+def _training_held(model: ModelConfig, tp: int, pp: int, tp_rank: int,
+                   pp_rank: int) -> dict[str, ShardSpec]:
     held = {}
-    for local, source in sharding.stage_params(layout.model, layout.pp, pp_rank).items():
-        pieces, padding = megatron_pieces(source, layout.model, layout.tp, tp_rank)
+    for local, source in sharding.stage_params(model, pp, pp_rank).items():
+        pieces, padding = megatron_pieces(source, model, tp, tp_rank)
         held[source] = ShardSpec(local, source, split_dim(source), pieces, padding)
     return held
 
@@ -300,7 +297,7 @@ class RolloutLayout:
 
     def wanted(self, rank: int) -> dict[str, ShardSpec]:
         """Canonical source -> the shard this rank's engine part needs (engine names)."""
-        return _rollout_wanted(self, rank)
+        return _rollout_wanted(self.model, self.engine, self.tp, self.tp_rank_of[rank])
 
     def group_ranks(self) -> list[list[int]]:
         """Global ranks of every rollout TP group, by DP rank, each in TP-rank order."""
@@ -311,18 +308,18 @@ class RolloutLayout:
 
 
 @functools.lru_cache(maxsize=4096)
-def _rollout_wanted(layout: RolloutLayout, rank: int) -> dict[str, ShardSpec]:
-    tp_rank = layout.tp_rank_of[rank]
+def _rollout_wanted(model: ModelConfig, engine: str, tp: int,
+                    tp_rank: int) -> dict[str, ShardSpec]:
     wanted = {}
-    for source, shape in _canonical_shapes(layout.model).items():
+    for source, shape in sharding.canonical_param_shapes(model).items():
         dim = split_dim(source)
-        if layout.engine == "full":
+        if engine == "full":
             wanted[source] = ShardSpec(source, source, dim, ((0, shape[dim]),))
-        elif layout.engine == "vllm":
-            pieces, padding = vllm_pieces(source, layout.model, layout.tp, tp_rank)
+        elif engine == "vllm":
+            pieces, padding = vllm_pieces(source, model, tp, tp_rank)
             wanted[source] = ShardSpec(vllm_name(source), source, dim, pieces, padding)
         else:
-            pieces, padding = megatron_pieces(source, layout.model, layout.tp, tp_rank)
+            pieces, padding = megatron_pieces(source, model, tp, tp_rank)
             wanted[source] = ShardSpec(source, source, dim, pieces, padding)
     return wanted
 

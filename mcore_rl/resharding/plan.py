@@ -13,7 +13,8 @@ Choosing the sender
 -------------------
 A row is usually held by several ranks (the DP replicas of a training shard; every rank of a
 stage for replicated norms). The sender is chosen per receiver, deterministically: holders on
-the receiver's node first (fast links), then spread by receiver rank so replicas share the load.
+the receiver's node first (fast links), then the one that has sent least of this parameter so
+far, so replicas share the load.
 The choice depends only on the parameter's geometry, so all layers of a pipeline stage share one
 cached plan and planning a 405B model over 1024 ranks takes seconds.
 """
@@ -27,7 +28,6 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from mcore_rl.config.model import ModelConfig
 from mcore_rl.parallel import sharding
 
 from .layouts import (ENGINES, Interval, RolloutLayout, ShardSpec, TrainingLayout,
@@ -110,22 +110,56 @@ class ReshardPlan:
         """Bytes each rank receives and sends under this plan."""
         return traffic_of(self.params, self.training.world_size, self.element_size)
 
-    def buckets(self, bucket_bytes: int) -> list[list[ParamPlan]]:
-        """Consecutive parameters grouped so that on every rank the bytes sent plus received in a
-        bucket stay within ``bucket_bytes`` (a parameter larger than that is a bucket alone).
-        The grouping is computed from the global plan, so it is the same on every rank."""
-        world = self.training.world_size
-        buckets: list[list[ParamPlan]] = []
-        load = np.zeros(world, dtype=np.int64)
+    def buckets(self, bucket_bytes: int) -> list[list["BucketEntry"]]:
+        """The transfers in rounds: on every rank, the bytes sent plus received in one round stay
+        within ``bucket_bytes``. Parameters keep their order; a parameter may be spread over
+        consecutive rounds (a run longer than the budget is cut into row chunks), and every
+        parameter appears at least once, even with nothing to transfer. Computed from the global
+        plan, so identical on every rank."""
+        element = self.element_size
+        buckets: list[list[BucketEntry]] = [[]]
+        load = [0] * self.training.world_size
         for param in self.params:
-            param_load = _param_load(param, world) * self.element_size
-            if buckets and (load + param_load).max() <= bucket_bytes:
-                buckets[-1].append(param)
-                load += param_load
-            else:
-                buckets.append([param])
-                load = param_load.copy()
+            row_bytes = param.row_elements * element
+            max_rows = max(1, bucket_bytes // row_bytes)
+            runs: list[Transfer] = []
+            for transfer in param.transfers:
+                for run in _cut_rows(transfer, max_rows):
+                    cost = run.length * row_bytes
+                    if (load[run.src] + cost > bucket_bytes or load[run.dst] + cost > bucket_bytes)\
+                            and any(load):
+                        if runs:
+                            buckets[-1].append((param, tuple(runs)))
+                        buckets.append([])
+                        load = [0] * len(load)
+                        runs = []
+                    load[run.src] += cost
+                    load[run.dst] += cost
+                    runs.append(run)
+            buckets[-1].append((param, tuple(runs)))
         return buckets
+
+
+BucketEntry = tuple[ParamPlan, tuple[Transfer, ...]]
+"""A parameter and the share of its transfers that one bucket carries."""
+
+
+def _cut_rows(transfer: Transfer, max_rows: int) -> Iterable[Transfer]:
+    """``transfer`` as consecutive runs of at most ``max_rows`` rows."""
+    for first in range(0, transfer.length, max_rows):
+        length = min(max_rows, transfer.length - first)
+        yield Transfer(transfer.src, transfer.dst, transfer.src_offset + first,
+                       transfer.dst_offset + first, length)
+
+
+def bucket_load(entries: Iterable[BucketEntry], world: int, element_size: int) -> np.ndarray:
+    """Bytes each rank sends plus receives in one bucket."""
+    load = np.zeros(world, np.int64)
+    for param, runs in entries:
+        for run in runs:
+            load[run.src] += run.length * param.row_elements
+            load[run.dst] += run.length * param.row_elements
+    return load * element_size
 
 
 @dataclass
@@ -136,15 +170,6 @@ class Traffic:
     sent: np.ndarray
     received_off_node: np.ndarray = None
     sent_off_node: np.ndarray = None
-
-
-def _param_load(param: ParamPlan, world: int) -> np.ndarray:
-    """Rows x row-elements each rank sends plus receives for this parameter."""
-    load = np.zeros(world, dtype=np.int64)
-    for transfer in param.transfers:
-        load[transfer.src] += transfer.length
-        load[transfer.dst] += transfer.length
-    return load * param.row_elements
 
 
 def traffic_of(params: Iterable[ParamPlan], world: int, element_size: int,
@@ -210,18 +235,19 @@ def _holdings(training: TrainingLayout, source: str) -> list[_Holding]:
             for (start, stop, offset), ranks in by_placement.items()]
 
 
-def _choose_sender(candidates: tuple[int, ...], dst: int, gpus_per_node: int) -> int:
+def _choose_sender(candidates: tuple[int, ...], dst: int, gpus_per_node: int,
+                   sent_rows: dict[int, int]) -> int:
     """The holder that sends to ``dst``: ``dst`` itself if it holds the rows, else one on its
-    node if any, spread over candidates by ``dst``."""
+    node if any; among those, the one that has sent the fewest rows of this parameter so far
+    (lowest rank on ties), so replicas share the load."""
     if dst in candidates:
         return dst
     same_node = [rank for rank in candidates if rank // gpus_per_node == dst // gpus_per_node]
-    pool = same_node or list(candidates)
-    return pool[dst % len(pool)]
+    return min(same_node or candidates, key=lambda rank: (sent_rows.get(rank, 0), rank))
 
 
 def _runs_for_piece(piece: Interval, dst_offset: int, holdings: list[_Holding], dst: int,
-                    gpus_per_node: int, source: str) -> list[Transfer]:
+                    gpus_per_node: int, source: str, sent_rows: dict[int, int]) -> list[Transfer]:
     """Transfers covering canonical ``piece`` of ``dst``'s tensor (placed at ``dst_offset``)."""
     cuts = {piece[0], piece[1]}
     for holding in holdings:
@@ -236,7 +262,9 @@ def _runs_for_piece(piece: Interval, dst_offset: int, holdings: list[_Holding], 
             raise PlanError(f"parameter {source!r}: rows [{start}, {stop}) along its split "
                             "dimension are held by no training rank")
         candidates = tuple(sorted({rank for h in covering for rank in h.ranks}))
-        src = _choose_sender(candidates, dst, gpus_per_node)
+        src = _choose_sender(candidates, dst, gpus_per_node, sent_rows)
+        if src != dst:
+            sent_rows[src] = sent_rows.get(src, 0) + stop - start
         holding = next(h for h in covering if src in h.ranks)
         src_offset = holding.offset + start - holding.start
         run = Transfer(src, dst, src_offset, dst_offset + start - piece[0], stop - start)
@@ -255,11 +283,12 @@ def _plan_param(training: TrainingLayout, rollout: RolloutLayout, source: str,
     """The transfers of one parameter."""
     holdings = _holdings(training, source)
     remote, local = [], []
+    sent_rows: dict[int, int] = {}
     for dst in range(rollout.world_size):
         wanted = rollout.wanted(dst)[source]
         for start, stop, offset in wanted.placed_pieces():
             for run in _runs_for_piece((start, stop), offset, holdings, dst, gpus_per_node,
-                                       source):
+                                       source, sent_rows):
                 (local if run.src == dst else remote).append(run)
     shape = sharding.full_shape(source, training.model)
     return ParamPlan(source, shape, rollout.wanted(0)[source].dim, tuple(remote), tuple(local))

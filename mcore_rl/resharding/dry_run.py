@@ -1,0 +1,121 @@
+"""Size a weight sync before launch: bytes, memory and time per rank, with no processes started.
+
+For a model config and both layouts, three strategies are compared:
+
+* ``ours``: the plan mcore_rl executes (plan.py);
+* ``full-gather``: what verl, slime and NeMo-RL's colocated path do (full_gather.py): TP
+  all-gather on the owning stage, then a broadcast through the pipeline; every rank gets every
+  full tensor and slices it;
+* ``lower bound``: each rank receives exactly the bytes of its rollout shard it does not hold.
+
+Time is a link model, not a measurement: a rank's bytes to and from ranks on its node move at
+``intra_node_gbps``, the rest at ``inter_node_gbps``; a rank's time is the larger of its send and
+receive times and the sync takes as long as the slowest rank. Latency and congestion are
+ignored, so treat times as lower estimates that rank strategies, not as predictions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mcore_rl.config.model import ModelConfig
+from mcore_rl.parallel import sharding
+
+from .full_gather import full_gather_peak_bytes, full_gather_transfers
+from .layouts import RolloutLayout, TrainingLayout
+from .plan import (Traffic, bucket_load, build_plan, lower_bound_received, make_rollout_layout,
+                   traffic_of)
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Links:
+    """Per-GPU link bandwidths and node size."""
+
+    gpus_per_node: int = 8
+    """GPUs per node: ranks r and s share a node iff r // gpus_per_node == s // gpus_per_node."""
+
+    intra_node_gbps: float = 400.0
+    """GB/s a GPU sends (and receives) to GPUs on its node (NVLink-class)."""
+
+    inter_node_gbps: float = 50.0
+    """GB/s a GPU sends (and receives) to other nodes (one 400 Gb/s NIC per GPU)."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One strategy's figures (bytes are per rank)."""
+
+    strategy: str
+    max_received: float
+    mean_received: float
+    peak_extra: float | None
+    seconds: float | None
+
+
+def _seconds(traffic: Traffic, links: Links) -> float:
+    def one_way(total: np.ndarray, off_node: np.ndarray) -> np.ndarray:
+        return ((total - off_node) / (links.intra_node_gbps * GB)
+                + off_node / (links.inter_node_gbps * GB))
+
+    return float(np.maximum(one_way(traffic.received, traffic.received_off_node),
+                            one_way(traffic.sent, traffic.sent_off_node)).max())
+
+
+def _largest_rollout_shard(rollout: RolloutLayout, element_size: int) -> int:
+    shapes = sharding.canonical_param_shapes(rollout.model)
+    largest = 0
+    for tp_rank in range(rollout.tp):
+        rank = rollout.tp_rank_of.index(tp_rank)
+        for source, spec in rollout.wanted(rank).items():
+            largest = max(largest, int(np.prod(spec.shape(shapes[source]))))
+    return largest * element_size
+
+
+def estimate(model: ModelConfig, training: TrainingLayout, engine: str, rollout_tp: int,
+             dtype: torch.dtype, links: Links = Links(),
+             bucket_bytes: int = 512 * 1024 ** 2) -> tuple[RolloutLayout, list[Estimate]]:
+    """The rollout layout chosen and the three strategies' estimates."""
+    rollout = make_rollout_layout(training, engine, rollout_tp, links.gpus_per_node)
+    plan = build_plan(training, rollout, dtype, links.gpus_per_node)
+    element = plan.element_size
+    world = training.world_size
+    ours = traffic_of(plan.params, world, element, links.gpus_per_node)
+    baseline = traffic_of(full_gather_transfers(training), world, element, links.gpus_per_node)
+    lower = lower_bound_received(training, rollout, element)
+    largest_output = _largest_rollout_shard(rollout, element)
+    buffers = 2 * max(int(bucket_load(bucket, world, element).max())
+                      for bucket in plan.buckets(bucket_bytes // 2))
+    return rollout, [
+        Estimate("ours", ours.received.max(), ours.received.mean(), buffers + largest_output,
+                 _seconds(ours, links)),
+        Estimate("full-gather", baseline.received.max(), baseline.received.mean(),
+                 full_gather_peak_bytes(training, element) + largest_output,
+                 _seconds(baseline, links)),
+        Estimate("lower bound", lower.max(), lower.mean(), None, None),
+    ]
+
+
+def _gib(value: float) -> str:
+    return f"{value / 1024 ** 3:.2f}"
+
+
+def table_header() -> list[str]:
+    return ["| GPUs | training TPxPPxDP | rollout TPxDP | max GiB received: ours / full-gather "
+            "/ lower bound | ours / full-gather | est. s: ours / full-gather | peak extra GiB: "
+            "ours / full-gather |",
+            "|---:|---|---|---|---:|---|---|"]
+
+
+def table_row(training: TrainingLayout, rollout: RolloutLayout, estimates: list[Estimate]) -> str:
+    ours, full, lower = estimates
+    return (f"| {training.world_size} | {training.tp}x{training.pp}x{training.dp} | "
+            f"{rollout.tp}x{rollout.dp} | {_gib(ours.max_received)} / "
+            f"{_gib(full.max_received)} / {_gib(lower.max_received)} | "
+            f"{ours.max_received / full.max_received:.2f} | "
+            f"{ours.seconds:.2f} / {full.seconds:.2f} | "
+            f"{_gib(ours.peak_extra)} / {_gib(full.peak_extra)} |")
