@@ -16,6 +16,7 @@ ignored, so treat times as lower estimates that rank strategies, not as predicti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,7 +73,7 @@ def _largest_rollout_shard(rollout: RolloutLayout, element_size: int) -> int:
     for tp_rank in range(rollout.tp):
         rank = rollout.tp_rank_of.index(tp_rank)
         for source, spec in rollout.wanted(rank).items():
-            largest = max(largest, int(np.prod(spec.shape(shapes[source]))))
+            largest = max(largest, math.prod(spec.shape(shapes[source])))
     return largest * element_size
 
 

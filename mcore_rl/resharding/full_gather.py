@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterator, Mapping
 
-import numpy as np
+import math
 import torch
 import torch.distributed as dist
 
@@ -111,6 +111,6 @@ class FullGatherSync:
 
 def full_gather_peak_bytes(training: TrainingLayout, element_size: int) -> int:
     """Extra memory of the full-gather sync: the largest full tensor plus its gathered shards."""
-    largest = max(int(np.prod(shape))
+    largest = max(math.prod(shape)
                   for shape in sharding.canonical_param_shapes(training.model).values())
     return 2 * largest * element_size

@@ -21,7 +21,9 @@ cached plan and planning a 405B model over 1024 ranks takes seconds.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -77,10 +79,10 @@ class ParamPlan:
     local_copies: tuple[Transfer, ...]
     """Runs a rank already holds (src == dst)."""
 
-    @property
+    @functools.cached_property
     def row_elements(self) -> int:
         """Elements per row along ``dim`` (product of the other dimensions)."""
-        return int(np.prod(self.full_shape)) // self.full_shape[self.dim]
+        return math.prod(self.full_shape) // self.full_shape[self.dim]
 
 
 @dataclass
@@ -146,6 +148,12 @@ BucketEntry = tuple[ParamPlan, tuple[Transfer, ...]]
 
 def _cut_rows(transfer: Transfer, max_rows: int) -> Iterable[Transfer]:
     """``transfer`` as consecutive runs of at most ``max_rows`` rows."""
+    if transfer.length <= max_rows:
+        return (transfer,)
+    return _row_chunks(transfer, max_rows)
+
+
+def _row_chunks(transfer: Transfer, max_rows: int) -> Iterable[Transfer]:
     for first in range(0, transfer.length, max_rows):
         length = min(max_rows, transfer.length - first)
         yield Transfer(transfer.src, transfer.dst, transfer.src_offset + first,
@@ -154,12 +162,13 @@ def _cut_rows(transfer: Transfer, max_rows: int) -> Iterable[Transfer]:
 
 def bucket_load(entries: Iterable[BucketEntry], world: int, element_size: int) -> np.ndarray:
     """Bytes each rank sends plus receives in one bucket."""
-    load = np.zeros(world, np.int64)
+    load = [0] * world
     for param, runs in entries:
+        row_bytes = param.row_elements * element_size
         for run in runs:
-            load[run.src] += run.length * param.row_elements
-            load[run.dst] += run.length * param.row_elements
-    return load * element_size
+            load[run.src] += run.length * row_bytes
+            load[run.dst] += run.length * row_bytes
+    return np.array(load, dtype=np.int64)
 
 
 @dataclass
@@ -315,7 +324,7 @@ def lacking_elements(training: TrainingLayout, rollout: RolloutLayout, rank: int
     lacking = 0
     for source, spec in rollout.wanted(rank).items():
         rows = spec.length - spec.padding - held_rows(held.get(source), spec)
-        lacking += rows * int(np.prod(shapes[source])) // shapes[source][spec.dim]
+        lacking += rows * math.prod(shapes[source]) // shapes[source][spec.dim]
     return lacking
 
 

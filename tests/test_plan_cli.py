@@ -1,0 +1,77 @@
+"""`mcore-rl plan`: the dry-run figures match bytes counted by hand, and bad input is refused.
+
+Hand count for TP2 x PP2 -> vLLM TP2 on 4 GPUs, rank 0 (TP rank 0, stage 0; vocabulary 1024
+so neither Megatron nor vLLM pads): its rollout shard is half of every TP-split tensor and every
+norm; it holds exactly that for stage 0, so it lacks stage 1's part. Full-gather gives it the
+other TP half of stage 0's split tensors and every stage-1 tensor whole.
+"""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from mcore_rl.config import ModelConfig
+from mcore_rl.parallel import sharding
+
+# Large enough (2.2B parameters) that the table's two-decimal GiB resolve the counts; planning
+# touches no weights, so size costs nothing.
+MODEL = dict(num_layers=4, hidden_size=8192, ffn_hidden_size=16384, num_attention_heads=64,
+             num_kv_heads=8, vocab_size=1024, max_position_embeddings=64, tie_embeddings=False)
+BF16 = 2
+
+
+def hand_count() -> tuple[int, int]:
+    """(bytes rank 0 lacks, bytes full-gather sends it)."""
+    model = ModelConfig(**MODEL)
+    lacking = full_gather = 0
+    for name, shape in sharding.canonical_param_shapes(model).items():
+        size = math.prod(shape) * BF16
+        split = sharding.shard_kind(name) is not sharding.ShardKind.REPLICATED
+        on_stage_0 = sharding.to_local_name(name, model, 2)[0] == 0
+        if on_stage_0:
+            full_gather += size // 2 if split else 0
+        else:
+            lacking += size // 2 if split else size
+            full_gather += size
+    return lacking, full_gather
+
+
+def run_plan(tmp_path, *arguments):
+    config = tmp_path / "model.yaml"
+    config.write_text(yaml.safe_dump({"model": MODEL}))
+    return subprocess.run([sys.executable, "-m", "mcore_rl", "plan", "--model", str(config),
+                           *arguments], capture_output=True, text=True, timeout=300)
+
+
+def test_plan_reports_the_hand_counted_bytes(tmp_path):
+    done = run_plan(tmp_path, "--train-tp", "2", "--train-pp", "2", "--rollout-tp", "2",
+                    "--gpus", "4,8")
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 4 |")
+            or line.startswith("| 8 |")]
+    assert len(rows) == 2
+    lacking, full_gather = hand_count()
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        ours, full, lower = (float(v) * 1024 ** 3 for v in cells[3].split(" / "))
+        # the table prints GiB with two decimals: compare at that resolution
+        assert ours == pytest.approx(lacking, abs=0.006 * 1024 ** 3)
+        assert lower == ours
+        assert full == pytest.approx(full_gather, abs=0.006 * 1024 ** 3)
+        assert float(cells[4]) == pytest.approx(lacking / full_gather, abs=0.006)
+
+
+def test_plan_refuses_a_world_that_is_not_whole_replicas(tmp_path):
+    done = run_plan(tmp_path, "--train-tp", "2", "--train-pp", "2", "--rollout-tp", "2",
+                    "--gpus", "6")
+    assert done.returncode == 2
+    assert "--gpus 6 is not a multiple of --train-tp x --train-pp = 4" in done.stderr
+
+
+def test_plan_refuses_a_rollout_tp_the_heads_cannot_take(tmp_path):
+    done = run_plan(tmp_path, "--train-tp", "2", "--rollout-tp", "3", "--gpus", "6")
+    assert done.returncode == 2
+    assert "num_attention_heads=64 must be divisible by tensor_model_parallel_size=3" in done.stderr
