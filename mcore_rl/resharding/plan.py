@@ -14,9 +14,9 @@ Choosing the sender
 A row is usually held by several ranks (the DP replicas of a training shard; every rank of a
 stage for replicated norms). The sender is chosen per receiver, deterministically: holders on
 the receiver's node first (fast links), then the one that has sent least of this parameter so
-far, so replicas share the load.
-The choice depends only on the parameter's geometry, so all layers of a pipeline stage share one
-cached plan and planning a 405B model over 1024 ranks takes seconds.
+far, so replicas share the load. The choice depends only on the parameter's geometry, so all
+layers of a pipeline stage share one cached plan: planning a 405B model over 896 ranks takes
+about 25 s on one CPU core.
 """
 
 from __future__ import annotations
@@ -98,9 +98,6 @@ class ReshardPlan:
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    def bytes_of(self, param: ParamPlan, transfer: Transfer) -> int:
-        return transfer.length * param.row_elements * self.element_size
-
     def digest(self) -> str:
         """A hash of every transfer, equal on every rank iff the plans are identical."""
         hasher = hashlib.sha256(repr((self.training, self.rollout, self.dtype)).encode())
@@ -121,6 +118,7 @@ class ReshardPlan:
         element = self.element_size
         buckets: list[list[BucketEntry]] = [[]]
         load = [0] * self.training.world_size
+        bucket_is_empty = True
         for param in self.params:
             row_bytes = param.row_elements * element
             max_rows = max(1, bucket_bytes // row_bytes)
@@ -128,15 +126,17 @@ class ReshardPlan:
             for transfer in param.transfers:
                 for run in _cut_rows(transfer, max_rows):
                     cost = run.length * row_bytes
-                    if (load[run.src] + cost > bucket_bytes or load[run.dst] + cost > bucket_bytes)\
-                            and any(load):
+                    over = load[run.src] + cost > bucket_bytes or load[run.dst] + cost > bucket_bytes
+                    if over and not bucket_is_empty:
                         if runs:
                             buckets[-1].append((param, tuple(runs)))
                         buckets.append([])
                         load = [0] * len(load)
                         runs = []
+                        bucket_is_empty = True
                     load[run.src] += cost
                     load[run.dst] += cost
+                    bucket_is_empty = False
                     runs.append(run)
             buckets[-1].append((param, tuple(runs)))
         return buckets
@@ -177,8 +177,9 @@ class Traffic:
 
     received: np.ndarray
     sent: np.ndarray
-    received_off_node: np.ndarray = None
-    sent_off_node: np.ndarray = None
+    received_off_node: np.ndarray
+    """Part of ``received`` that comes from another node (zero when nodes are not given)."""
+    sent_off_node: np.ndarray
 
 
 def traffic_of(params: Iterable[ParamPlan], world: int, element_size: int,
