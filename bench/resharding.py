@@ -33,7 +33,8 @@ import torch.distributed as dist  # noqa: E402
 
 from mcore_rl.config import ModelConfig  # noqa: E402
 from mcore_rl.parallel import sharding  # noqa: E402
-from mcore_rl.resharding import Resharder, TrainingLayout, build_plan, make_rollout_layout  # noqa: E402
+from mcore_rl.resharding import (Resharder, TrainingLayout, build_plan,  # noqa: E402
+                                 make_rollout_layout)
 from mcore_rl.resharding.full_gather import FullGatherSync, full_gather_transfers  # noqa: E402
 from mcore_rl.resharding.plan import lower_bound_received, traffic_of  # noqa: E402
 from world import run_world  # noqa: E402

@@ -73,7 +73,7 @@ def _plan(args) -> None:
             raise ValueError(f"--gpus {gpus} is not a multiple of --train-tp x --train-pp = "
                              f"{replica}")
         training = TrainingLayout(model, args.train_tp, args.train_pp, gpus // replica)
-        rollout, estimates = estimate(model, training, args.engine, args.rollout_tp,
+        rollout, estimates = estimate(training, args.engine, args.rollout_tp,
                                       DTYPES[args.dtype], links, int(args.bucket_mb * 1024 ** 2))
         print(table_row(training, rollout, estimates), flush=True)
 

@@ -122,7 +122,14 @@ def test_vllm_grouping_is_consecutive_and_megatron_grouping_overlaps_training_sh
     assert megatron_bytes < 0.8 * vllm_bytes
 
 
-def test_plan_is_deterministic_and_layers_of_a_stage_share_geometry():
+def test_rank_of_inverts_coordinates():
+    layout = TrainingLayout(MODEL, 2, 2, 2)
+    assert [layout.rank_of(*layout.coordinates(rank)) for rank in range(8)] == list(range(8))
+    # Megatron's default order: TP fastest, then DP, then PP
+    assert [layout.coordinates(rank) for rank in (1, 2, 4)] == [(1, 0, 0), (0, 0, 1), (0, 1, 0)]
+
+
+def test_plan_is_deterministic():
     layout = TrainingLayout(MODEL, 2, 2, 1)
     rollout = make_rollout_layout(layout, "vllm", 4)
     first = build_plan(layout, rollout, torch.float32)

@@ -73,6 +73,7 @@ class PromptConfig:
     counted in the rollout metrics."""
 
     def errors(self) -> list[str]:
+        """Broken rules, each naming its field (empty when valid)."""
         errors = []
         if self.max_prompt_tokens < 1:
             errors.append(f"prompts.max_prompt_tokens={self.max_prompt_tokens} must be positive")

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mcore_rl.config.model import ModelConfig
 from mcore_rl.parallel import sharding
 
 from .full_gather import full_gather_peak_bytes, full_gather_transfers
@@ -77,7 +76,7 @@ def _largest_rollout_shard(rollout: RolloutLayout, element_size: int) -> int:
     return largest * element_size
 
 
-def estimate(model: ModelConfig, training: TrainingLayout, engine: str, rollout_tp: int,
+def estimate(training: TrainingLayout, engine: str, rollout_tp: int,
              dtype: torch.dtype, links: Links = Links(),
              bucket_bytes: int = 512 * 1024 ** 2) -> tuple[RolloutLayout, list[Estimate]]:
     """The rollout layout chosen and the three strategies' estimates."""

@@ -25,8 +25,23 @@ def _owner_stage(training: TrainingLayout, source: str) -> int:
     return sharding.to_local_name(source, training.model, training.pp)[0]
 
 
-def _rank(training: TrainingLayout, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
-    return tp_rank + training.tp * (dp_rank + training.dp * pp_rank)
+def _full_gather_runs(training: TrainingLayout, owner: int, full_rows: int,
+                      replicated: bool) -> tuple[Transfer, ...]:
+    """Messages of one parameter owned by stage ``owner``: the TP all-gather on that stage
+    (skipped for replicated tensors), then a chain broadcast through the other stages."""
+    shard_rows = full_rows // training.tp
+    chain = [(owner + step) % training.pp for step in range(training.pp)]
+    runs = []
+    for dp_rank in range(training.dp):
+        for tp_rank in range(training.tp):
+            dst = training.rank_of(tp_rank, owner, dp_rank)
+            if not replicated:
+                runs += [Transfer(training.rank_of(other, owner, dp_rank), dst, 0, 0, shard_rows)
+                         for other in range(training.tp) if other != tp_rank]
+            runs += [Transfer(training.rank_of(tp_rank, sender, dp_rank),
+                              training.rank_of(tp_rank, receiver, dp_rank), 0, 0, full_rows)
+                     for sender, receiver in zip(chain, chain[1:])]
+    return tuple(runs)
 
 
 def full_gather_transfers(training: TrainingLayout) -> list[ParamPlan]:
@@ -34,32 +49,15 @@ def full_gather_transfers(training: TrainingLayout) -> list[ParamPlan]:
     all-gather within the owning stage's TP groups (each rank receives the other TP ranks'
     shards), then a chain broadcast of the full tensor through the other stages of each pipeline
     group. Offsets are not meaningful."""
-    model = training.model
     plans, cache = [], {}
-    for source, shape in sharding.canonical_param_shapes(model).items():
+    for source, shape in sharding.canonical_param_shapes(training.model).items():
         owner = _owner_stage(training, source)
         replicated = sharding.shard_kind(source) is sharding.ShardKind.REPLICATED
+        dim = split_dim(source)
         key = (owner, shape, replicated)
         if key not in cache:
-            dim = split_dim(source)
-            full_rows = shape[dim]
-            shard_rows = full_rows if replicated else full_rows // training.tp
-            transfers = []
-            for dp_rank in range(training.dp):
-                for tp_rank in range(training.tp):
-                    dst = _rank(training, tp_rank, owner, dp_rank)
-                    if not replicated:
-                        transfers += [Transfer(_rank(training, other, owner, dp_rank), dst, 0, 0,
-                                               shard_rows)
-                                      for other in range(training.tp) if other != tp_rank]
-                    chain = [(owner + step) % training.pp for step in range(training.pp)]
-                    transfers += [Transfer(_rank(training, tp_rank, sender, dp_rank),
-                                           _rank(training, tp_rank, receiver, dp_rank), 0, 0,
-                                           full_rows)
-                                  for sender, receiver in zip(chain, chain[1:])]
-            cache[key] = (dim, tuple(transfers))
-        dim, transfers = cache[key]
-        plans.append(ParamPlan(source, shape, dim, transfers, ()))
+            cache[key] = _full_gather_runs(training, owner, shape[dim], replicated)
+        plans.append(ParamPlan(source, shape, dim, cache[key], ()))
     return plans
 
 
@@ -74,13 +72,13 @@ class FullGatherSync:
         self.pp_ranks: list[int] = []
         for pp_rank in range(training.pp):  # every rank creates every group, in one order
             for dp_rank in range(training.dp):
-                ranks = [_rank(training, tp, pp_rank, dp_rank) for tp in range(training.tp)]
+                ranks = [training.rank_of(tp, pp_rank, dp_rank) for tp in range(training.tp)]
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.tp_group = group
         for dp_rank in range(training.dp):
             for tp_rank in range(training.tp):
-                ranks = [_rank(training, tp_rank, pp, dp_rank) for pp in range(training.pp)]
+                ranks = [training.rank_of(tp_rank, pp, dp_rank) for pp in range(training.pp)]
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.pp_group, self.pp_ranks = group, ranks

@@ -120,7 +120,8 @@ def _merge_adjacent(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
     return tuple((start, stop) for start, stop in merged)
 
 
-def _vocab_pieces(vocab: int, padded: int, tp: int, tp_rank: int) -> tuple[tuple[Interval, ...], int]:
+def _vocab_pieces(vocab: int, padded: int, tp: int,
+                  tp_rank: int) -> tuple[tuple[Interval, ...], int]:
     """(pieces, padding) of TP rank ``tp_rank`` when ``vocab`` rows are zero-padded to ``padded``
     and split evenly."""
     start, stop = _chunk(padded, tp, tp_rank)
@@ -211,7 +212,8 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 def vllm_name(canonical: str) -> str:
-    """vLLM's (Llama, Qwen2, Qwen3, Mistral) parameter name for canonical parameter ``canonical``."""
+    """vLLM's Llama-family (Llama, Qwen2, Qwen3, Mistral) name for canonical parameter
+    ``canonical``."""
     match = _LAYER.match(canonical)
     if match:
         return f"model.layers.{match.group(1)}.{_VLLM_LAYER_NAMES[match.group(2)]}"
@@ -250,6 +252,10 @@ class TrainingLayout:
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, dp_rank) of global ``rank``."""
         return rank % self.tp, rank // (self.tp * self.dp), (rank // self.tp) % self.dp
+
+    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        """Global rank at these coordinates (inverse of `coordinates`)."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
 
     def held(self, rank: int) -> dict[str, ShardSpec]:
         """Canonical source -> the shard this rank's model stage holds (local names). A tied

@@ -126,7 +126,7 @@ class ReshardPlan:
             for transfer in param.transfers:
                 for run in _cut_rows(transfer, max_rows):
                     cost = run.length * row_bytes
-                    over = load[run.src] + cost > bucket_bytes or load[run.dst] + cost > bucket_bytes
+                    over = max(load[run.src], load[run.dst]) + cost > bucket_bytes
                     if over and not bucket_is_empty:
                         if runs:
                             buckets[-1].append((param, tuple(runs)))
@@ -218,8 +218,8 @@ def held_rows(held: ShardSpec | None, wanted: ShardSpec) -> int:
     """Rows of ``wanted`` that ``held`` (same parameter, same rank) already contains."""
     if held is None:
         return 0
-    return sum(_overlap(w, h)[1] - _overlap(w, h)[0]
-               for w in wanted.pieces for h in held.pieces if _overlap(w, h))
+    overlaps = (_overlap(w, h) for w in wanted.pieces for h in held.pieces)
+    return sum(stop - start for start, stop in filter(None, overlaps))
 
 
 @dataclass(frozen=True)
