@@ -34,6 +34,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from ..runtime.agreement import raise_on_any_rank
 from .layouts import TrainingLayout
 from .plan import BucketEntry, ParamPlan, PlanError, ReshardPlan, Transfer
 
@@ -128,12 +129,7 @@ class Resharder:
     def _check_inputs(self, local_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical source -> local tensor, after every rank agreed that all inputs are valid."""
         errors, by_source = self._input_errors(local_tensors)
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, errors)
-        messages = [f"rank {rank}: {error}" for rank, rank_errors in enumerate(everyone)
-                    for error in rank_errors]
-        if messages:
-            raise PlanError("resharding refused, nothing was sent: " + "; ".join(messages))
+        raise_on_any_rank(errors, PlanError, "resharding refused, nothing was sent: ")
         return by_source
 
     def _input_errors(self, local_tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], dict]:

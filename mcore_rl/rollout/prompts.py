@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from mcore_rl.config.rollout import PromptConfig
+from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 
 
 class PromptError(ValueError):
@@ -34,9 +34,6 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], config: PromptConfig,
     """Validate ``prompts`` (lists of token ids) and truncate overlong ones per ``config``.
     Raises PromptError naming every empty prompt, every out-of-vocabulary token's prompt, and
     (with ``overlong="error"``) every overlong prompt by index and length."""
-    errors = config.errors()
-    if errors:
-        raise PromptError("; ".join(errors))
     if not prompts:
         raise PromptError("no prompts were given")
     problems, prepared, truncated = [], [], 0
@@ -61,3 +58,17 @@ def prepare_prompts(prompts: Sequence[Sequence[int]], config: PromptConfig,
     if problems:
         raise PromptError("prompts refused before generation: " + "; ".join(problems))
     return PreparedPrompts(prepared, truncated)
+
+
+def check_request(sampling: SamplingConfig, prompt_config: PromptConfig,
+                  context_length: int) -> None:
+    """Raise PromptError naming every sampling or prompt field that is out of range, or whose
+    prompt plus response cannot fit the engine's context."""
+    errors = sampling.errors() + prompt_config.errors()
+    longest = prompt_config.max_prompt_tokens + sampling.max_new_tokens
+    if not errors and longest > context_length:
+        errors.append(f"prompts.max_prompt_tokens={prompt_config.max_prompt_tokens} + "
+                      f"sampling.max_new_tokens={sampling.max_new_tokens} = {longest} exceeds "
+                      f"the engine's context of {context_length} tokens")
+    if errors:
+        raise PromptError("generation refused: " + "; ".join(errors))

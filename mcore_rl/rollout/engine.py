@@ -1,0 +1,107 @@
+"""The rollout engine interface every backend implements, and its result types.
+
+Every rank of the SPMD world calls the same methods in the same order. `generate` takes this
+rank's own prompts (its data-parallel shard) and returns this rank's completions; how a backend
+pools the prompts of the ranks that share one engine instance (a rollout TP group, or a Megatron
+model-parallel group) is its own business (see `prompt_exchange`). Between generate phases the
+trainer pushes new weights with `update_weights` and frees memory with `sleep`/`wake`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from mcore_rl.config.rollout import PromptConfig, SamplingConfig
+
+FINISH_REASONS = ("stop", "length")
+
+
+class EngineError(RuntimeError):
+    """An engine that could not start or run; raised on every rank of the engine's group."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled response."""
+
+    prompt_index: int
+    """Index of its prompt in the caller's list."""
+
+    sample_index: int
+    """Which of the prompt's `sampling.n` samples this is."""
+
+    token_ids: list[int]
+    """Response tokens (the prompt excluded; a final stop token included)."""
+
+    logprobs: list[float]
+    """Log-prob of each response token under the distribution it was sampled from
+    (temperature, top-k and top-p applied; greedy: the model's own distribution)."""
+
+    finish_reason: str
+    """"stop" (a stop token or string ended it) or "length" (max_new_tokens reached)."""
+
+
+@dataclass
+class Generation:
+    """What one `generate` call returns on one rank."""
+
+    completions: list[Completion]
+    """`n` completions per prompt, grouped by prompt in the caller's order."""
+
+    prompts: list[list[int]]
+    """The prompts as the engine saw them (after truncation, if configured)."""
+
+    metrics: dict = field(default_factory=dict)
+    """Counts for logging: prompts, truncated_prompts, generated_tokens, seconds."""
+
+    def response_tensors(self, pad_id: int = 0) -> dict[str, torch.Tensor]:
+        """Right-padded prompt+response rows for the trainer: input_ids and attention_mask
+        [n_completions, longest], response_mask (1 on response tokens) and engine_logprobs
+        aligned to the token they score (0 elsewhere)."""
+        rows = [self.prompts[c.prompt_index] + c.token_ids for c in self.completions]
+        longest = max(len(row) for row in rows)
+        shape = (len(rows), longest)
+        input_ids = torch.full(shape, pad_id, dtype=torch.long)
+        attention_mask = torch.zeros(shape, dtype=torch.long)
+        response_mask = torch.zeros(shape, dtype=torch.long)
+        engine_logprobs = torch.zeros(shape, dtype=torch.float32)
+        for row, (tokens, completion) in enumerate(zip(rows, self.completions)):
+            start = len(tokens) - len(completion.token_ids)
+            input_ids[row, :len(tokens)] = torch.tensor(tokens)
+            attention_mask[row, :len(tokens)] = 1
+            response_mask[row, start:len(tokens)] = 1
+            engine_logprobs[row, start:len(tokens)] = torch.tensor(completion.logprobs)
+        return {"input_ids": input_ids, "attention_mask": attention_mask,
+                "response_mask": response_mask, "engine_logprobs": engine_logprobs}
+
+
+class RolloutEngine(abc.ABC):
+    """A text-generation engine hosted by the ranks of the training world."""
+
+    weight_layout: str | None = None
+    """The resharding rollout layout `update_weights` takes ("full": HF-named full tensors,
+    "megatron": Megatron shards at the engine's TP), or None when the engine generates on the
+    training model's own parameters and needs no update."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 prompt_config: PromptConfig = PromptConfig()) -> Generation:
+        """Sample `sampling.n` responses for each of this rank's prompts (lists of token ids).
+        Bad prompts or sampling parameters raise before any generation starts."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights in place (names and layout per `weight_layout`), e.g. straight from
+        `Resharder.sync`, without restarting the engine."""
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Free the KV cache (and weights, where the engine can restore them) before training."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Undo `sleep` before the next generate."""

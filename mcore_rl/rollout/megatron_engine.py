@@ -1,0 +1,202 @@
+"""Generation with Megatron-Core's inference stack on a Megatron model stage.
+
+Megatron-Core supplies the model-side machinery: `GPTInferenceWrapper` runs the forward pass
+(tensor-parallel logits gathered, pipeline stages chained by point-to-point sends) against a
+`StaticInferenceContext` KV cache. The decode loop and the sampler are ours, because Megatron's
+`TextGenerationController` cannot give the numbers RL needs: it samples over the padded
+vocabulary, reports untempered log-probs, shifts the top-p mask, and cannot combine top-k with
+top-p (see `sampler`). The loop is the controller's static-batch scheme: prefill up to the
+shortest prompt, then one position per step, feeding prompt tokens to rows that are still in
+their prompt and sampled tokens to the others.
+
+The engine can generate on the training model itself (no copy, no weight update: the layouts
+match by construction) or on a model of its own, refreshed by `update_weights` with Megatron-named
+shards straight from the resharder's ``megatron`` layout. Every rank of the model-parallel group
+samples the same tokens: logits are identical after the TP gather and the PP broadcast, and the
+sampling generator is seeded identically across the group.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config.model import ModelConfig
+from mcore_rl.config.rollout import PromptConfig, SamplingConfig
+from mcore_rl.models.weights import local_parameters
+
+from .engine import Completion, EngineError, Generation, RolloutEngine
+from .prompt_pool import pool_prompts
+from .prompts import check_request, prepare_prompts
+from .sampler import sample_next
+
+
+class MegatronEngine(RolloutEngine):
+    """Rollouts from a Megatron GPTModel stage in the current Megatron parallel state."""
+
+    def __init__(self, module: torch.nn.Module, model: ModelConfig, context_length: int,
+                 stop_token_ids: Sequence[int] = (), own_weights: bool = False,
+                 max_batch_size: int = 64, seed: int = 0):
+        """module: this rank's GPTModel stage (LM head), e.g. the actor's own. context_length:
+        longest prompt + response. stop_token_ids: always end a response (the tokenizer's EOS).
+        own_weights: the module is the engine's copy, so `update_weights` loads into it and
+        `sleep` may move it off the GPU; False means it is the trainer's module."""
+        from megatron.core import parallel_state
+
+        self.module = module
+        self.model = model
+        self.context_length = context_length
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.max_batch_size = max_batch_size
+        self.seed = seed
+        self.weight_layout = "megatron" if own_weights else None
+        self.device = next(module.parameters()).device
+        self.params_dtype = next(module.parameters()).dtype
+        self._group = parallel_state.get_model_parallel_group()
+        self._pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self._pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+        self._dp_rank = parallel_state.get_data_parallel_rank()
+        self._calls = 0
+        self._sleeping = False
+
+    # -- generate --------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 prompt_config: PromptConfig = PromptConfig()) -> Generation:
+        if self._sleeping:
+            raise EngineError("generate() called on a sleeping engine; call wake() first")
+        check_request(sampling, prompt_config, self.context_length)
+        started = time.perf_counter()
+        prepared = prepare_prompts(prompts, prompt_config, self.model.vocab_size)
+        pooled, mine = pool_prompts(prepared.token_ids, self._dp_rank, self._group)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(_call_seed(sampling.seed, self.seed, self._dp_rank, self._calls))
+        self._calls += 1
+        rows = [(index, sample) for index in range(len(pooled)) for sample in range(sampling.n)]
+        completions = []
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = rows[start:start + self.max_batch_size]
+            completions += self._generate_batch([pooled[i] for i, _ in chunk], chunk, sampling,
+                                                generator)
+        own = [c for c in completions if mine.start <= c.prompt_index < mine.stop]
+        own = [Completion(c.prompt_index - mine.start, c.sample_index, c.token_ids, c.logprobs,
+                          c.finish_reason) for c in own]
+        metrics = {"prompts": len(prepared.token_ids), "truncated_prompts": prepared.truncated,
+                   "generated_tokens": sum(len(c.token_ids) for c in own),
+                   "seconds": time.perf_counter() - started}
+        return Generation(own, prepared.token_ids, metrics)
+
+    @torch.inference_mode()
+    def _generate_batch(self, prompts: list[list[int]], rows: list[tuple[int, int]],
+                        sampling: SamplingConfig, generator: torch.Generator) -> list[Completion]:
+        wrapper = self._inference_wrapper(len(prompts), max(map(len, prompts))
+                                          + sampling.max_new_tokens)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        total = int(lengths.max()) + sampling.max_new_tokens
+        tokens = torch.zeros((len(prompts), total), dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(prompts):
+            tokens[row, :len(prompt)] = torch.tensor(prompt, device=self.device)
+        inputs = wrapper.prep_inference_input(tokens)
+        stop_ids = torch.tensor(sorted(set(self.stop_token_ids) | set(sampling.stop_token_ids)),
+                                dtype=torch.long, device=self.device)
+        logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
+        generated = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
+        stopped = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
+        start, end = 0, int(lengths.min())
+        while True:
+            window = wrapper.get_batch_for_context_window(inputs, start, end)
+            last_logits = self._last_token_logits(wrapper, window, len(prompts))
+            next_tokens, next_logprobs = sample_next(last_logits, sampling, generator)
+            active = (lengths <= end) & ~stopped & (generated < sampling.max_new_tokens)
+            tokens[active, end] = next_tokens[active]
+            logprobs[active, end] = next_logprobs[active]
+            generated += active.long()
+            stopped |= active & torch.isin(next_tokens, stop_ids)
+            if bool((stopped | (generated >= sampling.max_new_tokens)).all()):
+                break
+            if bool((lengths <= end).all()):
+                wrapper.inference_context.enable_decode_mode()
+            start, end = end, end + 1
+        return [Completion(index, sample,
+                           tokens[row, lengths[row]:lengths[row] + generated[row]].tolist(),
+                           logprobs[row, lengths[row]:lengths[row] + generated[row]].tolist(),
+                           "stop" if stopped[row] else "length")
+                for row, (index, sample) in enumerate(rows)]
+
+    def _inference_wrapper(self, batch_size: int, sequence_length: int):
+        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+            GPTInferenceWrapper)
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+            InferenceWrapperConfig)
+
+        config = InferenceWrapperConfig(
+            hidden_size=self.model.hidden_size, params_dtype=self.params_dtype,
+            inference_batch_times_seqlen_threshold=-1,
+            padded_vocab_size=self.model.padded_vocab_size(1),  # unused: logits come gathered
+            inference_max_requests=batch_size, inference_max_seq_length=sequence_length)
+        context = StaticInferenceContext(batch_size, sequence_length)
+        context.materialize_only_last_token_logits = True
+        wrapper = GPTInferenceWrapper(self.module, config, context)
+        wrapper.prep_model_for_inference()
+        return wrapper
+
+    def _last_token_logits(self, wrapper, window: dict, batch_size: int) -> torch.Tensor:
+        """[batch, real vocab] fp32 logits of each row's last position, on every rank (the
+        vocabulary's padding rows are dropped, so they can never be sampled)."""
+        logits = wrapper.run_one_forward_step(window)
+        if dist.get_world_size(self._pp_group) > 1:
+            padded_vocab = self.model.padded_vocab_size(
+                dist.get_world_size(_tensor_parallel_group()))
+            if logits is None:
+                logits = torch.empty((batch_size, 1, padded_vocab), dtype=self.params_dtype,
+                                     device=self.device)
+            logits = logits.contiguous()
+            dist.broadcast(logits, src=self._pp_last_rank, group=self._pp_group)
+        return logits[:, -1, :self.model.vocab_size].float()
+
+    # -- weights and memory -----------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.weight_layout is None:
+            raise EngineError("this engine generates on the trainer's own module; its weights "
+                              "are always current and update_weights must not be called")
+        params = local_parameters(self.module)
+        seen = set()
+        for name, tensor in named_tensors:
+            param = params.get(name)
+            if param is None or param.shape != tensor.shape:
+                expected = None if param is None else tuple(param.shape)
+                raise EngineError(f"update_weights: tensor {name!r} {tuple(tensor.shape)} does "
+                                  f"not match the engine's parameter (shape {expected})")
+            param.copy_(tensor)
+            seen.add(name)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise EngineError(f"update_weights: no tensor arrived for parameters {missing}")
+
+    def sleep(self) -> None:
+        """The KV cache lives only inside generate(); an engine-owned copy of the weights moves
+        to host memory."""
+        if self.weight_layout is not None and self.device.type != "cpu":
+            self.module.to("cpu")
+        self._sleeping = True
+
+    def wake(self) -> None:
+        if self.weight_layout is not None and self.device.type != "cpu":
+            self.module.to(self.device)
+        self._sleeping = False
+
+
+def _tensor_parallel_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _call_seed(request_seed: int | None, engine_seed: int, dp_rank: int, call: int) -> int:
+    """Distinct per data-parallel rank and per call, identical within a model-parallel group."""
+    base = engine_seed if request_seed is None else request_seed
+    return (base * 1_000_003 + dp_rank * 7919 + call) % (2 ** 63)

@@ -1,0 +1,28 @@
+"""Fail together: turn one rank's problem into the same exception on every rank of a group.
+
+A rank that raises alone leaves its peers blocked in the next collective until the timeout. Code
+that checks inputs or starts an engine therefore collects its problems as strings, calls
+`raise_on_any_rank`, and either every rank continues or every rank raises the same message,
+naming the ranks that found each problem.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def raise_on_any_rank(problems: list[str], error_type: type[Exception], prefix: str,
+                      group=None) -> None:
+    """All-gather each rank's problems over `group` (the world when None); raise
+    error_type(prefix + every rank's problems) on all ranks if any rank has one."""
+    if not dist.is_initialized():
+        everyone = [problems]
+    else:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, list(problems), group=group)
+    ranks = dist.get_process_group_ranks(group) if dist.is_initialized() and group is not None \
+        else list(range(len(everyone)))
+    messages = [f"rank {rank}: {problem}" for rank, rank_problems in zip(ranks, everyone)
+                for problem in rank_problems]
+    if messages:
+        raise error_type(prefix + "; ".join(messages))
