@@ -44,6 +44,9 @@ class SamplingConfig:
         errors = []
         if self.n < 1:
             errors.append(f"sampling.n={self.n} must be at least 1")
+        if self.temperature == 0 and self.n > 1:
+            errors.append(f"sampling.n={self.n} with temperature=0 (greedy) would repeat one "
+                          "response; use n=1 or a positive temperature")
         if self.temperature < 0:
             errors.append(f"sampling.temperature={self.temperature} must be >= 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:

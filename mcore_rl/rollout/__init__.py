@@ -1,5 +1,14 @@
-"""Rollout: the generation side of the RL step."""
+"""Rollout: the generation side of the RL step (engines, sampling, prompt checks, mismatch).
 
-from .prompts import PreparedPrompts, PromptError, prepare_prompts
+`vllm_engine` is imported on demand only (`from mcore_rl.rollout.vllm_engine import VllmEngine`):
+it is the one module that imports vllm, which is optional on training-only machines.
+"""
 
-__all__ = ["PreparedPrompts", "PromptError", "prepare_prompts"]
+from .engine import Completion, EngineError, Generation, RolloutEngine
+from .megatron_engine import MegatronEngine
+from .mismatch import logprob_mismatch
+from .prompts import PreparedPrompts, PromptError, check_request, prepare_prompts
+
+__all__ = ["Completion", "EngineError", "Generation", "MegatronEngine", "PreparedPrompts",
+           "PromptError", "RolloutEngine", "check_request", "logprob_mismatch",
+           "prepare_prompts"]

@@ -33,3 +33,13 @@ def pool_prompts(prompts: list[list[int]], shard_key: int, group) -> tuple[list[
         raise EngineError(f"ranks {disagreeing} share an engine and a data shard with an earlier "
                           "rank of their group but passed different prompts")
     return pooled, slices[shard_key]
+
+
+def default_shard_key() -> int:
+    """The rank's data shard: its Megatron data-parallel rank when a trainer set up parallel
+    state, else its global rank."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_rank()
+    return dist.get_rank()

