@@ -1,0 +1,160 @@
+"""What one rank of the rollout-engine world does (run by tests/test_rollout_engines.py).
+
+A Megatron TP2 actor is the trainer. Every engine's generations are scored by that trainer
+(teacher-forced argmax and recomputed log-probs), weights reach the engines through the real
+resharder, and each rank reports its findings; rank 0 saves them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import BatchConfig, JobConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from mcore_rl.config.rollout import PromptConfig, SamplingConfig
+from mcore_rl.conversion.architectures import ARCHITECTURES
+from mcore_rl.models import build_gpt_model, load_full_state
+from mcore_rl.models.weights import local_parameters
+from mcore_rl.parallel import sharding
+from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
+from mcore_rl.resharding.execute import megatron_training_layout
+from mcore_rl.rollout import (EngineError, MegatronEngine, PromptError, logprob_mismatch)
+from mcore_rl.runtime import initialize, shutdown
+from mcore_rl.training import compute_outputs
+
+# head_dim 64: the smallest vLLM's CPU attention accepts. Vocabulary 300 is padded by Megatron
+# (to 384 at TP2) and by vLLM (to 320), so padding rows must never be sampled or scored.
+MODEL = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=2,
+                    num_kv_heads=2, vocab_size=300, max_position_embeddings=128)
+LLAMA = ARCHITECTURES["LlamaForCausalLM"]
+CONTEXT = 64
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46], [200, 3]]
+PROMPT_CONFIG = PromptConfig(max_prompt_tokens=16)
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12)
+SAMPLED = SamplingConfig(n=3, temperature=1.0, max_new_tokens=12, seed=7)
+
+
+def reference_state(seed: int) -> dict[str, torch.Tensor]:
+    """Weights with peaked next-token distributions (std 0.1 matrices, norms near 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, shape in sharding.canonical_param_shapes(MODEL).items():
+        noise = torch.randn(shape, generator=generator)
+        state[name] = 1 + 0.1 * noise if "norm" in name else 0.1 * noise
+    return state
+
+
+def trainer_scores(module, generation) -> dict:
+    """The trainer's view of a generation: its log-probs of the sampled tokens and whether
+    every response token is the teacher-forced argmax of the real vocabulary."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    batch = generation.response_tensors()
+    rows = batch["input_ids"].shape[0]
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    trainer = compute_outputs([module], inputs, rows, "lm", MODEL.vocab_size)["logprobs"]
+    positions = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"])
+    with torch.no_grad():
+        logits = gather_from_tensor_model_parallel_region(
+            module(batch["input_ids"], positions, attention_mask=None))
+    predicted = torch.roll(logits[..., :MODEL.vocab_size].argmax(-1), shifts=1, dims=1)
+    response = batch["response_mask"].bool()
+    return {"argmax": bool((predicted[response] == batch["input_ids"][response]).all()),
+            "mismatch": logprob_mismatch(batch["engine_logprobs"], trainer,
+                                         batch["response_mask"]),
+            "tokens": [c.token_ids for c in generation.completions],
+            "finish": [c.finish_reason for c in generation.completions]}
+
+
+def engine_checks(engine, module, sync) -> dict:
+    """Greedy and sampled parity, stop tokens, sleep/wake and refusals for one engine."""
+    found = {}
+    sync()
+    found["greedy"] = trainer_scores(module, engine.generate(PROMPTS, GREEDY, PROMPT_CONFIG))
+    sampled = engine.generate(PROMPTS, SAMPLED, PROMPT_CONFIG)
+    found["sampled"] = trainer_scores(module, sampled)
+    found["sampled_shape"] = [(c.prompt_index, c.sample_index) for c in sampled.completions]
+    stop_token = found["greedy"]["tokens"][0][3]
+    stopped = engine.generate(PROMPTS[:1], dataclasses.replace(GREEDY,
+                              stop_token_ids=(stop_token,)), PROMPT_CONFIG)
+    found["stopped"] = (stopped.completions[0].token_ids, stopped.completions[0].finish_reason,
+                        stop_token)
+    engine.sleep()
+    try:
+        engine.generate(PROMPTS, GREEDY, PROMPT_CONFIG)
+        found["sleeping_generate"] = "no error"
+    except EngineError as error:
+        found["sleeping_generate"] = str(error)
+    engine.wake()
+    found["after_wake"] = engine.generate(PROMPTS, GREEDY, PROMPT_CONFIG).completions[0].token_ids
+    found["refusals"] = []
+    for prompts, sampling in (([[1] * 20], GREEDY), ([[1], []], GREEDY),
+                              (PROMPTS, dataclasses.replace(GREEDY, temperature=-1.0)),
+                              (PROMPTS, dataclasses.replace(SAMPLED, top_p=0.0))):
+        try:
+            engine.generate(prompts, sampling, PROMPT_CONFIG)
+            found["refusals"].append("no error")
+        except PromptError as error:
+            found["refusals"].append(str(error))
+    return found
+
+
+def run(out_path: str, config_dir: str) -> None:
+    parallel = ParallelConfig(tensor_model_parallel_size=2)
+    initialize(JobConfig(model=MODEL, parallel=parallel,
+                         batch=BatchConfig(global_batch_size=2, micro_batch_size=1,
+                                           seq_length=CONTEXT),
+                         runtime=RuntimeConfig(collective_timeout_minutes=5)))
+    actor = build_gpt_model(MODEL, parallel, "fp32")
+    load_full_state(actor, reference_state(0), MODEL, parallel)
+    training = megatron_training_layout(MODEL)
+    results = {}
+
+    # Megatron engine on the actor itself: no copy, no weight update.
+    results["megatron_shared"] = engine_checks(MegatronEngine(actor, MODEL, CONTEXT), actor,
+                                               lambda: None)
+
+    # Megatron engine with its own copy, refit through the resharder's megatron layout.
+    copy = build_gpt_model(MODEL, parallel, "fp32")
+    load_full_state(copy, reference_state(1), MODEL, parallel)
+    own = MegatronEngine(copy, MODEL, CONTEXT, own_weights=True)
+    to_megatron = Resharder(build_plan(training, make_rollout_layout(training, "megatron", 2),
+                                       torch.float32))
+    results["megatron_own_before_sync"] = trainer_scores(
+        actor, own.generate(PROMPTS, GREEDY, PROMPT_CONFIG))["argmax"]
+    results["megatron_own"] = engine_checks(
+        own, actor, lambda: own.update_weights(to_megatron.sync(local_parameters(actor))))
+
+    # vLLM (rollout TP2 over both ranks), placeholder weights until the first sync.
+    from mcore_rl.rollout.vllm_engine import VllmEngine, write_config_folder
+
+    try:
+        VllmEngine(os.path.join(config_dir, "missing"), MODEL, LLAMA, 2, CONTEXT, torch.float32)
+        results["vllm_bad_start"] = "no error"
+    except EngineError as error:
+        results["vllm_bad_start"] = str(error)
+    if dist.get_rank() == 0:
+        write_config_folder(MODEL, LLAMA, config_dir)
+    dist.barrier()
+    vllm = VllmEngine(config_dir, MODEL, LLAMA, rollout_tp=2, context_length=CONTEXT,
+                      dtype=torch.float32)
+    to_full = Resharder(build_plan(training, make_rollout_layout(training, "full", 1),
+                                   torch.float32))
+    sync = lambda: vllm.update_weights(to_full.sync(local_parameters(actor)))  # noqa: E731
+    results["vllm"] = engine_checks(vllm, actor, sync)
+
+    # New actor weights: after one more sync vLLM must follow them.
+    load_full_state(actor, reference_state(2), MODEL, parallel)
+    stale = vllm.generate(PROMPTS, GREEDY, PROMPT_CONFIG)
+    results["vllm_stale_argmax"] = trainer_scores(actor, stale)["argmax"]
+    sync()
+    results["vllm_updated"] = trainer_scores(actor, vllm.generate(PROMPTS, GREEDY, PROMPT_CONFIG))
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, results)
+    if dist.get_rank() == 0:
+        torch.save(everyone, out_path)
+    shutdown()
