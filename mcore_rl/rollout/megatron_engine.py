@@ -29,8 +29,7 @@ from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.models.weights import local_parameters
 
 from .engine import Completion, EngineError, Generation, RolloutEngine
-from .prompt_pool import pool_prompts
-from .prompts import check_request, prepare_prompts
+from .prompt_pool import pool_requests
 from .sampler import sample_next
 
 
@@ -67,26 +66,28 @@ class MegatronEngine(RolloutEngine):
                  prompt_config: PromptConfig = PromptConfig()) -> Generation:
         if self._sleeping:
             raise EngineError("generate() called on a sleeping engine; call wake() first")
-        check_request(sampling, prompt_config, self.context_length)
         started = time.perf_counter()
-        prepared = prepare_prompts(prompts, prompt_config, self.model.vocab_size)
-        pooled, mine = pool_prompts(prepared.token_ids, self._dp_rank, self._group)
+        requests = pool_requests(prompts, sampling, prompt_config, self.context_length,
+                                 self.model.vocab_size, self._dp_rank, self._group)
+        # The model-parallel group shares one data shard, hence one sampling config.
         generator = torch.Generator(device=self.device)
         generator.manual_seed(_call_seed(sampling.seed, self.seed, self._dp_rank, self._calls))
         self._calls += 1
-        rows = [(index, sample) for index in range(len(pooled)) for sample in range(sampling.n)]
+        rows = [(index, sample) for index in range(len(requests.prompts))
+                for sample in range(sampling.n)]
         completions = []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start:start + self.max_batch_size]
-            completions += self._generate_batch([pooled[i] for i, _ in chunk], chunk, sampling,
-                                                generator)
-        own = [c for c in completions if mine.start <= c.prompt_index < mine.stop]
+            completions += self._generate_batch([requests.prompts[i] for i, _ in chunk], chunk,
+                                                sampling, generator)
+        mine = requests.mine
         own = [Completion(c.prompt_index - mine.start, c.sample_index, c.token_ids, c.logprobs,
-                          c.finish_reason) for c in own]
-        metrics = {"prompts": len(prepared.token_ids), "truncated_prompts": prepared.truncated,
+                          c.finish_reason)
+               for c in completions if mine.start <= c.prompt_index < mine.stop]
+        metrics = {"prompts": mine.stop - mine.start, "truncated_prompts": requests.truncated,
                    "generated_tokens": sum(len(c.token_ids) for c in own),
                    "seconds": time.perf_counter() - started}
-        return Generation(own, prepared.token_ids, metrics)
+        return Generation(own, requests.prompts[mine], metrics)
 
     @torch.inference_mode()
     def _generate_batch(self, prompts: list[list[int]], rows: list[tuple[int, int]],

@@ -1,38 +1,80 @@
-"""Pool the prompts of the ranks that share one engine instance.
+"""Check requests and pool them over the ranks that share one engine instance.
 
 An engine instance spans a group of ranks (a vLLM rollout-TP group, or the Megatron
 model-parallel group) and every rank of it must feed the same batch. Ranks arrive with their own
-data-parallel shards: ranks with the same shard key (e.g. TP peers of one training DP rank) must
-bring identical prompts, ranks with different keys are concatenated in rank order. Each rank
-then takes back its own slice of the results.
+data-parallel shards: ranks with the same shard key (TP peers of one training DP rank) must bring
+identical requests; requests of different keys are concatenated in rank order, each keeping its
+own sampling parameters. Each rank then takes back its own slice of the results.
+
+Validation happens here too, so that one rank's bad request makes every rank of the group raise
+the same PromptError instead of leaving its peers waiting in the pooling collective.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch.distributed as dist
 
-from .engine import EngineError
+from mcore_rl.config.rollout import PromptConfig, SamplingConfig
+
+from .prompts import PromptError, check_request, prepare_prompts
 
 
-def pool_prompts(prompts: list[list[int]], shard_key: int, group) -> tuple[list[list[int]], slice]:
-    """(the group's prompts, the slice of them that is this rank's). `group` None: no pooling."""
+@dataclass(frozen=True)
+class PooledRequests:
+    """The group's requests, and which of them are this rank's."""
+
+    prompts: list[list[int]]
+    """Every prompt of the group, shards in rank order."""
+
+    samplings: list[SamplingConfig]
+    """The sampling parameters of each prompt (those of the shard it came from)."""
+
+    mine: slice
+    """This rank's prompts within `prompts`."""
+
+    truncated: int
+    """How many of this rank's prompts were truncated."""
+
+
+def pool_requests(prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                  prompt_config: PromptConfig, context_length: int, vocab_size: int,
+                  shard_key: int, group, engine_problems: Sequence[str] = ()) -> PooledRequests:
+    """Validate this rank's request, then pool the group's (`group` None: this rank alone).
+    Raises PromptError on every rank of the group if any rank's request is refused."""
+    problems, prepared = list(engine_problems), None
+    try:
+        check_request(sampling, prompt_config, context_length)
+        prepared = prepare_prompts(prompts, prompt_config, vocab_size)
+    except PromptError as error:
+        problems.append(str(error))
     if group is None or dist.get_world_size(group) == 1:
-        return prompts, slice(0, len(prompts))
+        if problems:
+            raise PromptError("; ".join(problems))
+        return PooledRequests(prepared.token_ids, [sampling] * len(prepared.token_ids),
+                              slice(0, len(prepared.token_ids)), prepared.truncated)
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (shard_key, prompts), group=group)
-    pooled, slices, disagreeing = [], {}, []
+    request = (shard_key, prepared.token_ids if prepared else None, sampling)
+    dist.all_gather_object(everyone, (request, problems), group=group)
     ranks = dist.get_process_group_ranks(group)
-    for rank, (key, rank_prompts) in zip(ranks, everyone):
+    messages = [f"rank {rank}: {problem}" for rank, (_, rank_problems) in zip(ranks, everyone)
+                for problem in rank_problems]
+    if messages:
+        raise PromptError("; ".join(messages))
+    pooled, samplings, slices = [], [], {}
+    for rank, ((key, rank_prompts, rank_sampling), _) in zip(ranks, everyone):
         if key in slices:
-            if pooled[slices[key]] != rank_prompts:
-                disagreeing.append(rank)
+            first = slices[key]
+            if pooled[first] != rank_prompts or samplings[first.start] != rank_sampling:
+                raise PromptError(f"rank {rank} shares an engine and data shard {key} with an "
+                                  "earlier rank of its group but passed a different request")
             continue
         slices[key] = slice(len(pooled), len(pooled) + len(rank_prompts))
         pooled.extend(rank_prompts)
-    if disagreeing:
-        raise EngineError(f"ranks {disagreeing} share an engine and a data shard with an earlier "
-                          "rank of their group but passed different prompts")
-    return pooled, slices[shard_key]
+        samplings.extend([rank_sampling] * len(rank_prompts))
+    return PooledRequests(pooled, samplings, slices[shard_key], prepared.truncated)
 
 
 def default_shard_key() -> int:

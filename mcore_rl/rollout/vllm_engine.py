@@ -39,8 +39,7 @@ from mcore_rl.resharding.delivery import hf_named
 from mcore_rl.runtime.agreement import raise_on_any_rank
 
 from .engine import Completion, EngineError, Generation, RolloutEngine
-from .prompt_pool import default_shard_key, pool_prompts
-from .prompts import check_request, prepare_prompts
+from .prompt_pool import default_shard_key, pool_requests
 
 SUPPORTED_VLLM = ">=0.32,<0.33"
 """vLLM releases whose engine arguments and worker reload API this module uses."""
@@ -91,21 +90,22 @@ class VllmEngine(RolloutEngine):
                  prompt_config: PromptConfig = PromptConfig()) -> Generation:
         if self._sleeping:
             raise EngineError("generate() called on a sleeping engine; call wake() first")
-        check_request(sampling, prompt_config, self.context_length)
-        if sampling.stop and not self.has_tokenizer:
-            raise EngineError("sampling.stop (stop strings) needs the engine's tokenizer_dir")
         started = time.perf_counter()
-        prepared = prepare_prompts(prompts, prompt_config, self.model.vocab_size)
-        pooled, mine = pool_prompts(prepared.token_ids, self._shard_key, self._group)
-        seed = (self.seed if sampling.seed is None else sampling.seed) * 1_000_003 + self._calls
+        missing_tokenizer = (["sampling.stop (stop strings) needs the engine's tokenizer_dir"]
+                             if sampling.stop and not self.has_tokenizer else [])
+        requests = pool_requests(prompts, sampling, prompt_config, self.context_length,
+                                 self.model.vocab_size, self._shard_key, self._group,
+                                 missing_tokenizer)
+        call_seed = self._calls * 1_000_003
         self._calls += 1
-        # Every rank of the TP group submits the group's whole request list: vLLM needs the same
-        # schedule on the group's ranks. Seeds follow the pooled index, so samples do not depend
-        # on which rank asked.
+        # Every rank of the TP group submits the group's whole request list (vLLM needs the same
+        # schedule on the group's ranks); seeds follow the pooled index, so every rank agrees.
         outputs = self.llm.generate(
-            [{"prompt_token_ids": prompt} for prompt in pooled],
-            [self._sampling_params(sampling, seed + index) for index in range(len(pooled))],
+            [{"prompt_token_ids": prompt} for prompt in requests.prompts],
+            [self._sampling_params(each, call_seed + index)
+             for index, each in enumerate(requests.samplings)],
             use_tqdm=False)
+        mine = requests.mine
         completions = [
             Completion(index - mine.start, sample, list(output.token_ids),
                        [entry[token].logprob for entry, token in zip(output.logprobs,
@@ -113,14 +113,15 @@ class VllmEngine(RolloutEngine):
                        "length" if output.finish_reason == "length" else "stop")
             for index in range(mine.start, mine.stop)
             for sample, output in enumerate(outputs[index].outputs)]
-        metrics = {"prompts": len(prepared.token_ids), "truncated_prompts": prepared.truncated,
+        metrics = {"prompts": mine.stop - mine.start, "truncated_prompts": requests.truncated,
                    "generated_tokens": sum(len(c.token_ids) for c in completions),
                    "seconds": time.perf_counter() - started}
-        return Generation(completions, prepared.token_ids, metrics)
+        return Generation(completions, requests.prompts[mine], metrics)
 
-    def _sampling_params(self, sampling: SamplingConfig, seed: int):
+    def _sampling_params(self, sampling: SamplingConfig, offset: int):
         from vllm import SamplingParams
 
+        seed = (self.seed if sampling.seed is None else sampling.seed) * 7919 + offset
         return SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
