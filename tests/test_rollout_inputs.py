@@ -54,7 +54,3 @@ def test_empty_and_out_of_vocabulary_prompts_are_refused():
     with pytest.raises(PromptError, match="no prompts"):
         prepare_prompts([], PromptConfig(), 100)
 
-
-def test_bad_prompt_config_is_refused():
-    with pytest.raises(PromptError, match="prompts.overlong='middle' must be one of"):
-        prepare_prompts(PROMPTS, PromptConfig(overlong="middle"), 100)
