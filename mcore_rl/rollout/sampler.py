@@ -48,8 +48,5 @@ def sample_next(logits: torch.Tensor, sampling: SamplingConfig,
     else:
         processed = truncate_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
         logprobs = processed.log_softmax(dim=-1)
-        # Exponential race (what vLLM does): argmax p_i / E_i with E_i ~ Exp(1) draws i with
-        # probability p_i, and needs one random number per vocabulary entry, no cumsum.
-        races = torch.empty_like(logprobs).exponential_(generator=generator)
-        tokens = (logprobs.exp() / races).argmax(dim=-1)
+        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
