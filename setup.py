@@ -25,7 +25,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],
-        "vllm": ["vllm"],
+        "vllm": ["vllm>=0.32,<0.33"],  # mcore_rl.rollout.vllm_engine.SUPPORTED_VLLM
         "te": ["transformer-engine[pytorch]"],
     },
     entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli:main"]},
