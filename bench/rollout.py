@@ -79,7 +79,7 @@ def _hf_generate(model, prompts, new_tokens: int) -> int:
 
 
 def bench(args, out_path: str) -> None:
-    from mcore_rl.config import BatchConfig, JobConfig, ParallelConfig, RuntimeConfig
+    from mcore_rl.config import BatchConfig, JobConfig, ParallelConfig
     from mcore_rl.models import build_gpt_model, load_full_state
     from mcore_rl.models.weights import local_parameters
     from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout

@@ -44,7 +44,12 @@ class MegatronEngine(RolloutEngine):
         own_weights: the module is the engine's copy, so `update_weights` loads into it and
         `sleep` may move it off the GPU; False means it is the trainer's module."""
         from megatron.core import parallel_state
+        from megatron.core.utils import get_model_config
 
+        if get_model_config(module).sequence_parallel:
+            raise EngineError("the Megatron engine needs a model built with sequence_parallel="
+                              "False (Megatron-Core's static inference does not support it for "
+                              "dense models); give the engine its own copy (own_weights=True)")
         self.module = module
         self.model = model
         self.context_length = context_length
