@@ -20,6 +20,7 @@ import argparse
 import os
 import resource
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,8 +183,6 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
-    import tempfile
-
     with tempfile.TemporaryDirectory() as folder:
         args.config_dir = os.path.join(folder, "engine_config")
         out = os.path.join(folder, "results.pt")

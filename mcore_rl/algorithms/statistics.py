@@ -21,21 +21,13 @@ def masked_sum_count(values: torch.Tensor, mask: torch.Tensor, group=None):
     return totals[0], totals[1], totals[2]
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
-    total, _, count = masked_sum_count(values, mask, group)
-    return (total / count.clamp(min=1)).to(values.dtype)
-
-
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, group=None,
-                  shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
     """(values - mean) / sqrt(unbiased var + 1e-8) over the masked entries (verl's
-    `masked_whiten`); with shift_mean=False the mean is added back."""
+    `masked_whiten`)."""
     total, squares, count = masked_sum_count(values, mask, group)
     if count < 2:
         raise ValueError(f"whitening needs at least 2 masked values, got {int(count)}")
     mean = total / count
     variance = (squares / count - mean * mean) * count / (count - 1)
     whitened = (values.double() - mean) * torch.rsqrt(variance.clamp(min=0) + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
     return whitened.to(values.dtype)

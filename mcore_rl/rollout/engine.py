@@ -3,22 +3,20 @@
 Every rank of the SPMD world calls the same methods in the same order. `generate` takes this
 rank's own prompts (its data-parallel shard) and returns this rank's completions; how a backend
 pools the prompts of the ranks that share one engine instance (a rollout TP group, or a Megatron
-model-parallel group) is its own business (see `prompt_exchange`). Between generate phases the
+model-parallel group) is its own business (see `prompt_pool`). Between generate phases the
 trainer pushes new weights with `update_weights` and frees memory with `sleep`/`wake`.
 """
 
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
-
-FINISH_REASONS = ("stop", "length")
-
 
 class EngineError(RuntimeError):
     """An engine that could not start or run; raised on every rank of the engine's group."""
@@ -57,6 +55,16 @@ class Generation:
 
     metrics: dict = field(default_factory=dict)
     """Counts for logging: prompts, truncated_prompts, generated_tokens, seconds."""
+
+    @classmethod
+    def finished(cls, completions: list[Completion], prompts: list[list[int]], truncated: int,
+                 started: float) -> "Generation":
+        """This rank's result, with the metrics every engine reports (`started`: the
+        perf_counter value when generate began)."""
+        metrics = {"prompts": len(prompts), "truncated_prompts": truncated,
+                   "generated_tokens": sum(len(c.token_ids) for c in completions),
+                   "seconds": time.perf_counter() - started}
+        return cls(completions, prompts, metrics)
 
     def response_tensors(self, pad_id: int = 0) -> dict[str, torch.Tensor]:
         """Right-padded prompt+response rows for the trainer: input_ids and attention_mask

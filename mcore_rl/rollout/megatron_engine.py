@@ -62,6 +62,8 @@ class MegatronEngine(RolloutEngine):
         self._group = parallel_state.get_model_parallel_group()
         self._pp_group = parallel_state.get_pipeline_model_parallel_group()
         self._pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+        self._padded_vocab = model.padded_vocab_size(
+            parallel_state.get_tensor_model_parallel_world_size())
         self._dp_rank = parallel_state.get_data_parallel_rank()
         self._calls = 0
         self._sleeping = False
@@ -89,10 +91,7 @@ class MegatronEngine(RolloutEngine):
         own = [Completion(c.prompt_index - mine.start, c.sample_index, c.token_ids, c.logprobs,
                           c.finish_reason)
                for c in completions if mine.start <= c.prompt_index < mine.stop]
-        metrics = {"prompts": mine.stop - mine.start, "truncated_prompts": requests.truncated,
-                   "generated_tokens": sum(len(c.token_ids) for c in own),
-                   "seconds": time.perf_counter() - started}
-        return Generation(own, requests.prompts[mine], metrics)
+        return Generation.finished(own, requests.prompts[mine], requests.truncated, started)
 
     @torch.inference_mode()
     def _generate_batch(self, prompts: list[list[int]], rows: list[tuple[int, int]],
@@ -154,10 +153,8 @@ class MegatronEngine(RolloutEngine):
         vocabulary's padding rows are dropped, so they can never be sampled)."""
         logits = wrapper.run_one_forward_step(window)
         if dist.get_world_size(self._pp_group) > 1:
-            padded_vocab = self.model.padded_vocab_size(
-                dist.get_world_size(_tensor_parallel_group()))
             if logits is None:
-                logits = torch.empty((batch_size, 1, padded_vocab), dtype=self.params_dtype,
+                logits = torch.empty((batch_size, 1, self._padded_vocab), dtype=self.params_dtype,
                                      device=self.device)
             logits = logits.contiguous()
             dist.broadcast(logits, src=self._pp_last_rank, group=self._pp_group)
@@ -194,12 +191,6 @@ class MegatronEngine(RolloutEngine):
         if self.weight_layout is not None and self.device.type != "cpu":
             self.module.to(self.device)
         self._sleeping = False
-
-
-def _tensor_parallel_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _call_seed(request_seed: int | None, engine_seed: int, dp_rank: int, call: int) -> int:

@@ -113,10 +113,8 @@ class VllmEngine(RolloutEngine):
                        "length" if output.finish_reason == "length" else "stop")
             for index in range(mine.start, mine.stop)
             for sample, output in enumerate(outputs[index].outputs)]
-        metrics = {"prompts": mine.stop - mine.start, "truncated_prompts": requests.truncated,
-                   "generated_tokens": sum(len(c.token_ids) for c in completions),
-                   "seconds": time.perf_counter() - started}
-        return Generation(completions, requests.prompts[mine], metrics)
+        return Generation.finished(completions, requests.prompts[mine], requests.truncated,
+                                   started)
 
     def _sampling_params(self, sampling: SamplingConfig, offset: int):
         from vllm import SamplingParams

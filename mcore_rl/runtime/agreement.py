@@ -16,12 +16,11 @@ def raise_on_any_rank(problems: list[str], error_type: type[Exception], prefix: 
     """All-gather each rank's problems over `group` (the world when None); raise
     error_type(prefix + every rank's problems) on all ranks if any rank has one."""
     if not dist.is_initialized():
-        everyone = [problems]
+        everyone, ranks = [problems], [0]
     else:
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, list(problems), group=group)
-    ranks = dist.get_process_group_ranks(group) if dist.is_initialized() and group is not None \
-        else list(range(len(everyone)))
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     messages = [f"rank {rank}: {problem}" for rank, rank_problems in zip(ranks, everyone)
                 for problem in rank_problems]
     if messages:
