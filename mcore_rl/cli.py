@@ -1,5 +1,6 @@
 """`mcore-rl` command line: one sub-command per job.
 
+    mcore-rl train --config configs/grpo_toy.yaml trainer.total_steps=50
     mcore-rl smoke --config configs/smoke.yaml parallel.tensor_model_parallel_size=2
     mcore-rl convert hf-to-mcore --hf PATH --out DIR --tp N --pp M
     mcore-rl convert mcore-to-hf --ckpt DIR --out PATH
@@ -29,6 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     smoke = commands.add_parser("smoke", help="distributed forward/backward on random tokens")
     smoke.add_argument("--config", help="YAML config file (defaults apply when omitted)")
     smoke.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    train = commands.add_parser("train", help="RL training (PPO, GRPO and relatives)")
+    train.add_argument("--config", help="YAML config file (defaults apply when omitted)")
+    train.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
     convert = commands.add_parser("convert", help="HF <-> Megatron checkpoint conversion")
     directions = convert.add_subparsers(dest="direction", required=True)
@@ -107,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "smoke":
             from .smoke import run_smoke
             run_smoke(load_config(args.config, args.overrides))
+        elif args.command == "train":
+            from .trainer import Trainer
+            trainer = Trainer(load_config(args.config, args.overrides))
+            trainer.fit()
+            trainer.close()
     except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as error:
         print(f"mcore-rl: {error}", file=sys.stderr)
         return 2

@@ -56,6 +56,10 @@ class AlgorithmConfig:
     value_clip: float = 0.2
     """Critic values are clipped to within this of the old values (PPO value clipping)."""
 
+    value_loss_coef: float = 1.0
+    """Scale of the critic's loss (vf_coef). The critic has its own optimizer, so with Adam it
+    mostly matters together with gradient clipping."""
+
     kl_estimator: str = "k3"
     """k1 (log-ratio), k2 (half squared log-ratio), k3 (low-variance, clamped) or abs."""
 

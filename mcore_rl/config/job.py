@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .algorithm import AlgorithmConfig
+from .data import DataConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
+from .reward import RewardConfig
+from .rl import CriticConfig, ReferenceConfig, RoleConfig, RolloutConfig, TrainerConfig
 from .runtime import RuntimeConfig
 from .training import BatchConfig, OptimizerConfig
 
@@ -60,6 +64,32 @@ class JobConfig:
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
     """Settings of the smoke job."""
 
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL: advantage estimator, losses, KL (`mcore-rl train`)."""
+
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    """RL: the trained policy's optimizer and micro-batch size."""
+
+    critic: CriticConfig = field(default_factory=lambda: CriticConfig(
+        optimizer=OptimizerConfig(lr=1e-4)))
+    """RL: the value model (built only for estimators that need one, e.g. gae); its default LR
+    is ten times the actor's."""
+
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """RL: the frozen reference policy (built only when a KL term is used)."""
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """RL: the engine and how responses are sampled."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """RL: steps, epochs, mini-batches, evaluation and checkpoints."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """RL: prompt datasets, their encoding and order."""
+
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """RL: rule-based reward functions and their sandbox."""
+
 
 def validate(config: JobConfig, world_size: int) -> JobConfig:
     """Check every rule that can be checked before a process group exists; raise ConfigError
@@ -83,3 +113,46 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
         raise ConfigError("invalid configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
     return config
+
+
+def validate_rl(config: JobConfig, world_size: int) -> JobConfig:
+    """`validate` plus the rules of an RL job (roles, rollout, batch arithmetic)."""
+    validate(config, world_size)
+    errors = config.algorithm.errors() + config.rollout.errors() + config.trainer.errors()
+    errors += config.data.errors() + config.reward.errors()
+    errors += config.actor.optimizer.check("actor.optimizer")
+    errors += config.critic.optimizer.check("critic.optimizer")
+    errors += _rl_batch_errors(config, world_size)
+    length = config.data.max_prompt_tokens + config.rollout.sampling.max_new_tokens
+    if length > config.model.max_position_embeddings:
+        errors.append(f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {length} "
+                      f"exceeds model.max_position_embeddings="
+                      f"{config.model.max_position_embeddings}")
+    rollout_tp = config.rollout.rollout_tp
+    if config.rollout.engine == "vllm" and world_size % rollout_tp:
+        errors.append(f"rollout.rollout_tp={rollout_tp} must divide the world size {world_size}")
+    if errors:
+        raise ConfigError("invalid RL configuration (world size %d):\n  - %s"
+                          % (world_size, "\n  - ".join(errors)))
+    return config
+
+
+def _rl_batch_errors(config: JobConfig, world_size: int) -> list[str]:
+    """Each data-parallel rank's share of a step must cut into whole mini- and micro-batches."""
+    dp_size = config.parallel.data_parallel_size(world_size)
+    prompts = config.rollout.prompts_per_step
+    if prompts % dp_size:
+        return [f"rollout.prompts_per_step={prompts} must be divisible by the data-parallel "
+                f"size {dp_size}"]
+    rows = prompts // dp_size * config.rollout.sampling.n
+    mini_batches = config.trainer.mini_batches
+    if rows % mini_batches:
+        return [f"each data-parallel rank's {rows} responses per step (prompts_per_step / DP x "
+                f"sampling.n) must be divisible by trainer.mini_batches={mini_batches}"]
+    errors = []
+    for role in ("actor", "critic"):
+        micro = getattr(config, role).micro_batch_size
+        if micro < 1 or (rows // mini_batches) % micro:
+            errors.append(f"{role}.micro_batch_size={micro} must divide the {rows // mini_batches}"
+                          " responses of a mini-batch on each data-parallel rank")
+    return errors

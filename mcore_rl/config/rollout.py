@@ -37,7 +37,8 @@ class SamplingConfig:
     """Strings that end a response."""
 
     seed: int | None = None
-    """Seed of the sampling RNG (None: the run's seed)."""
+    """Seed of the sampling RNG: a call with a given seed samples the same every time; None
+    draws afresh on every call from the engine's seed."""
 
     def errors(self) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""

@@ -113,3 +113,6 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def wake(self) -> None:
         """Undo `sleep` before the next generate."""
+
+    def close(self) -> None:
+        """Release the engine before the process group goes (collective; default: nothing)."""

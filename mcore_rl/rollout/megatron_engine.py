@@ -194,6 +194,9 @@ class MegatronEngine(RolloutEngine):
 
 
 def _call_seed(request_seed: int | None, engine_seed: int, dp_rank: int, call: int) -> int:
-    """Distinct per data-parallel rank and per call, identical within a model-parallel group."""
-    base = engine_seed if request_seed is None else request_seed
-    return (base * 1_000_003 + dp_rank * 7919 + call) % (2 ** 63)
+    """Distinct per data-parallel rank, identical within a model-parallel group; distinct per
+    call unless the request names its seed (then the same request samples the same, which is
+    what lets a resumed run repeat an uninterrupted one)."""
+    if request_seed is not None:
+        return (request_seed * 1_000_003 + dp_rank * 7919) % (2 ** 63)
+    return (engine_seed * 1_000_003 + dp_rank * 7919 + call) % (2 ** 63)

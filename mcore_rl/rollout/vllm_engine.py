@@ -96,7 +96,9 @@ class VllmEngine(RolloutEngine):
         requests = pool_requests(prompts, sampling, prompt_config, self.context_length,
                                  self.model.vocab_size, self._shard_key, self._group,
                                  missing_tokenizer)
-        call_seed = self._calls * 1_000_003
+        # An explicit request seed samples the same every call (a resumed run repeats an
+        # uninterrupted one); without one, each call draws afresh.
+        call_seed = 0 if sampling.seed is not None else self._calls * 1_000_003
         self._calls += 1
         # Every rank of the TP group submits the group's whole request list (vLLM needs the same
         # schedule on the group's ranks); seeds follow the pooled index, so every rank agrees.
@@ -146,6 +148,11 @@ class VllmEngine(RolloutEngine):
         if _sleep_mode_available():
             self.llm.wake_up()
         self._sleeping = False
+
+    def close(self) -> None:
+        """Shut the engine core down now, while the process group it shares still exists
+        (vLLM would otherwise do it at interpreter exit, after the trainer's shutdown)."""
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 def _sleep_mode_available() -> bool:

@@ -13,6 +13,7 @@ token-mean, a sequence-mean or any other aggregation is exact whatever the layou
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Callable
 
@@ -28,27 +29,32 @@ LossFn = Callable[[dict, Batch], tuple]
 
 
 def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
-                       vocab_size: int) -> dict:
-    """Megatron's last-stage output [b, s, v_local or 1] -> token-aligned [b, s] tensors."""
+                       vocab_size: int, temperature: float) -> dict:
+    """Megatron's last-stage output [b, s, v_local or 1] -> token-aligned [b, s] tensors.
+    Logits are divided by the sampling temperature, so log-probs score the distribution the
+    engine sampled from."""
     from megatron.core import parallel_state
 
     mask = micro_batch["attention_mask"]
     if head == "scalar":
         return {"values": align_to_tokens(output.squeeze(-1).float(), mask)}
     next_tokens = torch.roll(micro_batch["input_ids"], shifts=-1, dims=1)
+    if temperature != 1.0:
+        output = output / temperature
     logprobs, entropy = vocab_parallel_logprobs_and_entropy(
         output, next_tokens, vocab_size, parallel_state.get_tensor_model_parallel_group())
     return {"logprobs": align_to_tokens(logprobs, mask), "entropy": align_to_tokens(entropy, mask)}
 
 
-def _forward_step(head: str, vocab_size: int, loss_fn: LossFn | None, data_iterator, model):
+def _forward_step(head: str, vocab_size: int, temperature: float, loss_fn: LossFn | None,
+                  data_iterator, model):
     micro_batch = next(data_iterator)
     input_ids = micro_batch["input_ids"]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     output = model(input_ids, positions, attention_mask=None)
 
     def loss_func(output_tensor, non_loss_data: bool = False):
-        outputs = _per_token_outputs(output_tensor, micro_batch, head, vocab_size)
+        outputs = _per_token_outputs(output_tensor, micro_batch, head, vocab_size, temperature)
         if non_loss_data:
             return {name: tensor.detach() for name, tensor in outputs.items()}
         numerator, denominator, metrics = loss_fn(outputs, micro_batch)
@@ -60,7 +66,7 @@ def _forward_step(head: str, vocab_size: int, loss_fn: LossFn | None, data_itera
 
 
 def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_size: int,
-                  loss_fn: LossFn | None, forward_only: bool):
+                  temperature: float, loss_fn: LossFn | None, forward_only: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if head == "lm" and vocab_size is None:
@@ -69,7 +75,7 @@ def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_siz
         check_batch(micro_batch)
     batch_size, seq_length = micro_batches[0]["input_ids"].shape
     return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, head, vocab_size, loss_fn),
+        forward_step_func=partial(_forward_step, head, vocab_size, temperature, loss_fn),
         data_iterator=iter(micro_batches),
         model=chunks,
         num_microbatches=len(micro_batches),
@@ -94,15 +100,17 @@ def _broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device) -> to
 
 @torch.no_grad()
 def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str = "lm",
-                    vocab_size: int | None = None) -> dict:
+                    vocab_size: int | None = None, temperature: float = 1.0) -> dict:
     """Forward-only per-token outputs for this rank's rows of `batch` (all PP stages get them).
-    head="lm" gives {'logprobs', 'entropy'}; head="scalar" gives {'values'}; each [n, s] fp32."""
+    head="lm" gives {'logprobs', 'entropy'} (of logits / temperature); head="scalar" gives
+    {'values'}; each [n, s] fp32."""
     from megatron.core import parallel_state
 
     for chunk in chunks:
         chunk.eval()
     micro_batches = split_micro_batches(batch, micro_batch_size)
-    per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, None, True)
+    per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None,
+                                    True)
     names = ("values",) if head == "scalar" else ("logprobs", "entropy")
     shape = tuple(batch["input_ids"].shape)
     last_stage = parallel_state.is_pipeline_last_stage()
@@ -114,31 +122,69 @@ def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str
 
 
 def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
-               head: str = "lm", vocab_size: int | None = None) -> dict:
+               head: str = "lm", vocab_size: int | None = None,
+               temperature: float = 1.0) -> dict:
     """One optimizer step on this rank's rows of `batch`. Returns metrics identical on every
-    rank: the global loss (sum of numerators / sum of denominators over DP), grad norm, LR, and
-    whether the update was skipped (non-finite gradients)."""
-    from megatron.core import parallel_state
-
+    rank: the global loss (sum of numerators / sum of denominators over DP), the loss function's
+    metrics (mean over micro-batches and DP ranks), grad norm, LR, and whether the update was
+    skipped because the loss or a gradient was not finite (then nothing changes)."""
     for chunk in model.chunks:
         chunk.train()
         chunk.zero_grad_buffer()
     model.optimizer.zero_grad()
     micro_batches = split_micro_batches(batch, micro_batch_size)
-    per_micro_batch = _run_schedule(model.chunks, micro_batches, head, vocab_size, loss_fn, False)
-    updated, grad_norm, _ = model.optimizer.step()
+    per_micro_batch = _run_schedule(model.chunks, micro_batches, head, vocab_size, temperature,
+                                    loss_fn, False)
+    metrics = _reduce_metrics(per_micro_batch, batch["input_ids"].device)
+    finite = math.isfinite(metrics["loss"]) and _gradients_finite(model.chunks)
+    updated, grad_norm = False, float("nan")
+    if finite:
+        updated, grad_norm, _ = model.optimizer.step()
     if updated:
         model.scheduler.step(increment=1)
-    totals = torch.zeros(2, dtype=torch.float64, device=batch["input_ids"].device)
+    metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                   lr=model.optimizer.param_groups[0]["lr"], update_skipped=not updated)
+    return metrics
+
+
+def _gradients_finite(chunks: list) -> bool:
+    """True when every rank's reduced gradients are finite (checked before the optimizer step,
+    since Megatron only checks for inf/nan when a loss scaler is in use)."""
+    bad = torch.zeros(1, device=next(chunks[0].parameters()).device)
+    for chunk in chunks:
+        for param in chunk.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                bad.fill_(1)
+                break
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad.item())
+
+
+def _reduce_metrics(per_micro_batch: list[dict], device) -> dict:
+    """Global loss and mean loss-function metrics, computed on the last stage over the DP group
+    and sent to the other stages."""
+    from megatron.core import parallel_state
+
+    reduced = None
     if parallel_state.is_pipeline_last_stage():
+        names = sorted(name for name in per_micro_batch[0]
+                       if name not in ("loss_numerator", "loss_denominator"))
+        totals = torch.zeros(3 + len(names), dtype=torch.float64, device=device)
         for metrics in per_micro_batch:
             totals[0] += metrics["loss_numerator"].double()
             totals[1] += metrics["loss_denominator"].double()
+            totals[2] += 1
+            for index, name in enumerate(names):
+                totals[3 + index] += torch.as_tensor(metrics[name]).double()
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-    totals = _broadcast_from_last_stage(totals, (2,), totals.device)
-    return {
-        "loss": (totals[0] / totals[1].clamp(min=1)).item(),
-        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "lr": model.optimizer.param_groups[0]["lr"],
-        "update_skipped": not updated,
-    }
+        reduced = {"loss": (totals[0] / totals[1].clamp(min=1)).item()}
+        reduced.update({name: (totals[3 + index] / totals[2]).item()
+                        for index, name in enumerate(names)})
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        holder = [reduced]
+        dist.broadcast_object_list(holder,
+                                   src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        reduced = holder[0]
+    return reduced

@@ -1,0 +1,66 @@
+"""The actor's and the critic's per-micro-batch objectives, as the trainer's loss functions.
+
+They put the pure pieces together in verl's order:
+
+  actor:  policy loss (registry) x truncated importance weight (optional)
+          - entropy_coef x entropy + kl_coef x KL(pi || pi_ref)    (the last with use_kl_loss)
+  critic: clipped value loss (x value_loss_coef)
+
+and aggregate per-token losses into the additive (numerator, denominator) pair that
+`training.train_step` divides globally. The importance weight is Yao et al.'s truncated IS
+(2025): min(exp(logp_old - logp_engine), cap), detached, correcting for the engine having sampled
+from a slightly different distribution than the trainer computes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_rl.config.algorithm import AlgorithmConfig
+
+from .kl import kl_estimate
+from .losses import POLICY_LOSSES, aggregate, value_loss
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def actor_objective(outputs: dict, micro_batch: dict, config: AlgorithmConfig,
+                    importance_cap: float = 0.0):
+    """(numerator, denominator, metrics) of the policy objective on one micro-batch. Needs
+    micro_batch keys loss_mask, old_logprobs, advantages (+ ref_logprobs with use_kl_loss,
+    engine_logprobs with an importance cap)."""
+    mask = micro_batch["loss_mask"].float()
+    logprobs = outputs["logprobs"]
+    losses, metrics = POLICY_LOSSES.get(config.policy_loss)(
+        logprobs, micro_batch["old_logprobs"], micro_batch["advantages"], mask, config)
+    if importance_cap > 0:
+        weight = (micro_batch["old_logprobs"] - micro_batch["engine_logprobs"]).exp()
+        weight = weight.clamp(max=importance_cap).detach()
+        losses = losses * weight
+        metrics["actor/importance_weight"] = _masked_mean(weight, mask)
+    entropy = _masked_mean(outputs["entropy"].detach(), mask)
+    metrics["actor/entropy"] = entropy
+    if config.entropy_coef:
+        losses = losses - config.entropy_coef * outputs["entropy"]
+    if config.use_kl_loss:
+        kl = kl_estimate(logprobs, micro_batch["ref_logprobs"], config.kl_estimator)
+        losses = losses + config.kl_coef * kl
+        metrics["actor/kl_loss"] = _masked_mean(kl.detach(), mask)
+    numerator, denominator = aggregate(losses, mask, config.loss_aggregation,
+                                       config.max_response_length)
+    return numerator, denominator, {name: value.detach() for name, value in metrics.items()}
+
+
+def critic_objective(outputs: dict, micro_batch: dict, config: AlgorithmConfig):
+    """(numerator, denominator, metrics) of the clipped value loss on one micro-batch. Needs
+    micro_batch keys loss_mask, old_values, returns."""
+    mask = micro_batch["loss_mask"].float()
+    values = outputs["values"]
+    losses, metrics = value_loss(values, micro_batch["old_values"], micro_batch["returns"], mask,
+                                 config)
+    metrics["critic/value_mean"] = _masked_mean(values.detach(), mask)
+    numerator, denominator = aggregate(config.value_loss_coef * losses, mask,
+                                       config.loss_aggregation, config.max_response_length)
+    return numerator, denominator, {name: value.detach() for name, value in metrics.items()}

@@ -1,0 +1,84 @@
+"""How rule-based (verifiable) rewards are computed: which function scores each data_source, the
+worker processes that run those functions with a per-call timeout, and the format reward.
+
+A data_source is scored by, in order: reward.functions[data_source]; a built-in function
+(mcore_rl.rewards.registry: math answers, reasoning-gym tasks, toy/copy); reward.default_function.
+A data_source none of them covers fails the job at start-up, before any rollout.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+# DeepSeek-R1's template: reasoning in <think> tags, then the answer in <answer> tags, nothing else.
+R1_FORMAT_PATTERN = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Rule rewards: functions by data_source, their sandbox, and the format reward."""
+
+    num_workers: int = 4
+    """Worker processes (per rank) that run reward functions, each call with a timeout. 0 scores
+    inline in the calling process, without timeout or isolation (for debugging)."""
+
+    timeout_seconds: float = 10.0
+    """Longest one reward call may run; a call past it scores 0 and its worker is replaced."""
+
+    startup_timeout_seconds: float = 120.0
+    """Longest a worker may take to start and import a data source's function before its first
+    call (not counted in timeout_seconds); past it the call scores 0."""
+
+    functions: dict[str, str] = field(default_factory=dict)
+    """data_source -> reward function as a dotted path, "package.module:function" or
+    "package.module.function" (verl's compute_score signature: fn(data_source, solution_str,
+    ground_truth, extra_info) -> float or dict with "score"). Overrides built-ins."""
+
+    default_function: Optional[str] = None
+    """Dotted path of the function for data sources neither `functions` nor the built-ins know
+    (None: such a data source is an error at start-up)."""
+
+    format_weight: float = 0.0
+    """Weight w of the format reward, in [0, 1]: score = (1 - w) * correctness + w * format,
+    where format is 1 when the whole response matches format_pattern, else 0."""
+
+    format_pattern: str = R1_FORMAT_PATTERN
+    """Regular expression the whole response must match (re.fullmatch, DOTALL) to earn the
+    format reward; the default is DeepSeek-R1's "<think>...</think> <answer>...</answer>"."""
+
+    def errors(self) -> list[str]:
+        """Broken rules, each naming its field (empty when valid)."""
+        errors = []
+        if self.num_workers < 0:
+            errors.append(f"reward.num_workers={self.num_workers} must be >= 0 (0: inline)")
+        if not self.timeout_seconds > 0:
+            errors.append(f"reward.timeout_seconds={self.timeout_seconds} must be positive")
+        if not self.startup_timeout_seconds > 0:
+            errors.append(f"reward.startup_timeout_seconds={self.startup_timeout_seconds} "
+                          "must be positive")
+        for data_source, path in self.functions.items():
+            if not data_source:
+                errors.append(f"reward.functions has an empty data_source (function {path!r})")
+            if not looks_like_dotted_path(path):
+                errors.append(f"reward.functions.{data_source}={path!r} must be a dotted path "
+                              "like package.module:function")
+        if self.default_function is not None and not looks_like_dotted_path(
+                self.default_function):
+            errors.append(f"reward.default_function={self.default_function!r} must be a dotted "
+                          "path like package.module:function")
+        if not 0 <= self.format_weight <= 1:
+            errors.append(f"reward.format_weight={self.format_weight} must be in [0, 1]")
+        try:
+            re.compile(self.format_pattern)
+        except re.error as error:
+            errors.append(f"reward.format_pattern={self.format_pattern!r} is not a regular "
+                          f"expression: {error}")
+        return errors
+
+
+def looks_like_dotted_path(path: str) -> bool:
+    """True for "module:function" or "package.module.function" (whether it imports is checked
+    when the rewards are built)."""
+    return bool(re.fullmatch(r"[\w.]+:[\w.]+|[\w.]+\.\w+", path or ""))

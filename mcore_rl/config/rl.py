@@ -1,0 +1,152 @@
+"""Settings of the RL job beyond the model and its layout: the roles, the rollout and the loop.
+
+Each trained role (actor, critic) carries its own optimizer and micro-batch size, because a
+critic usually wants a higher learning rate than the actor and memory differs between an LM head
+and a scalar head. Which roles exist follows from the algorithm (a critic for `gae`, a reference
+when a KL term is used); no flag switches a role on or off behind the algorithm's back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .rollout import SamplingConfig
+from .training import OptimizerConfig
+
+ENGINES = ("vllm", "megatron")
+OVERLONG_RESPONSES = ("keep", "filter", "penalty")
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """A trained role: the actor or the critic."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """This role's optimizer and LR schedule."""
+
+    micro_batch_size: int = 2
+    """Sequences per forward/backward micro-batch on one rank (log-probs, values, updates)."""
+
+
+@dataclass(frozen=True)
+class CriticConfig(RoleConfig):
+    """The critic: a trained role with its own starting weights."""
+
+    init_path: Optional[str] = None
+    """HF folder or mcore_rl checkpoint whose transformer trunk the critic starts from (its
+    value head starts at zero); None: the actor's starting weights."""
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    """The frozen reference policy (the actor's starting weights), used by the KL terms."""
+
+    offload: bool = False
+    """Keep its parameters in CPU memory between uses (GPU only; a no-op on CPU)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How responses are generated each step."""
+
+    engine: str = "vllm"
+    """vllm (weights pushed by the resharder every step) or megatron (Megatron-Core inference
+    on the actor's own parameters: no copy, no sync)."""
+
+    rollout_tp: int = 1
+    """vLLM tensor-parallel size (consecutive ranks form an engine); must divide the world."""
+
+    prompts_per_step: int = 8
+    """Prompts per RL step over all data-parallel ranks; each gets `sampling.n` responses."""
+
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling for training rollouts (n is the GRPO group size). Its seed is derived from the
+    run seed and the step, so a resumed run samples what an uninterrupted one would."""
+
+    eval_sampling: SamplingConfig = field(
+        default_factory=lambda: SamplingConfig(n=1, temperature=0.0))
+    """Sampling for evaluation on the validation prompts (greedy by default)."""
+
+    gpu_memory_utilization: float = 0.4
+    """vLLM's share of GPU memory for weights and KV cache (colocated with training)."""
+
+    overlong: str = "keep"
+    """Responses cut at max_new_tokens: keep (as they are), filter (no loss on them) or penalty
+    (DAPO's soft overlong penalty over the last `overlong_buffer` tokens)."""
+
+    overlong_buffer: int = 16
+    """Tokens before max_new_tokens where the soft penalty ramps from 0 to -1."""
+
+    importance_cap: float = 0.0
+    """Truncated importance sampling: weight each token's policy loss by
+    min(exp(logp_old - logp_engine), cap) to correct the engine/trainer mismatch (0: off)."""
+
+    def errors(self) -> list[str]:
+        """Broken rules, each naming its field (empty when valid)."""
+        errors = [f"rollout.{message}" for message in self.sampling.errors()]
+        errors += [f"rollout.eval_{message}" for message in self.eval_sampling.errors()]
+        if self.engine not in ENGINES:
+            errors.append(f"rollout.engine={self.engine!r} must be one of {ENGINES}")
+        if self.rollout_tp < 1:
+            errors.append(f"rollout.rollout_tp={self.rollout_tp} must be >= 1")
+        if self.prompts_per_step < 1:
+            errors.append(f"rollout.prompts_per_step={self.prompts_per_step} must be >= 1")
+        if self.overlong not in OVERLONG_RESPONSES:
+            errors.append(f"rollout.overlong={self.overlong!r} must be one of "
+                          f"{OVERLONG_RESPONSES}")
+        if self.overlong == "penalty" and not 0 < self.overlong_buffer <= \
+                self.sampling.max_new_tokens:
+            errors.append(f"rollout.overlong_buffer={self.overlong_buffer} must be in "
+                          f"(0, sampling.max_new_tokens={self.sampling.max_new_tokens}]")
+        if self.importance_cap < 0:
+            errors.append(f"rollout.importance_cap={self.importance_cap} must be >= 0")
+        return errors
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The loop: how many steps, how each batch is reused, when to evaluate and save."""
+
+    total_steps: int = 20
+    """RL steps (generate + update) to run; a resumed run continues up to this number."""
+
+    ppo_epochs: int = 1
+    """Passes over each step's batch."""
+
+    mini_batches: int = 1
+    """Optimizer steps per epoch: the batch is cut into this many mini-batches."""
+
+    save_every: int = 0
+    """Save a checkpoint every this many steps (and at the end); 0: never."""
+
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted after a save."""
+
+    resume: bool = True
+    """Continue from the newest complete checkpoint in output_dir/checkpoints if there is one."""
+
+    eval_every: int = 0
+    """Evaluate on the validation prompts every this many steps (and before the first); 0:
+    never."""
+
+    max_bad_steps: int = 3
+    """Stop after this many consecutive steps with a non-finite loss or gradient norm (their
+    updates are skipped; the last checkpoint stays intact)."""
+
+    export_hf: bool = False
+    """Also write the actor as an HF folder next to each checkpoint."""
+
+    tensorboard: bool = True
+    """Write metrics to output_dir/tensorboard (rank 0)."""
+
+    def errors(self) -> list[str]:
+        """Broken rules, each naming its field (empty when valid)."""
+        errors = []
+        for name in ("total_steps", "ppo_epochs", "mini_batches", "keep_last", "max_bad_steps"):
+            if getattr(self, name) < 1:
+                errors.append(f"trainer.{name}={getattr(self, name)} must be >= 1")
+        for name in ("save_every", "eval_every"):
+            if getattr(self, name) < 0:
+                errors.append(f"trainer.{name}={getattr(self, name)} must be >= 0")
+        return errors

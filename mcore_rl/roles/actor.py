@@ -1,0 +1,57 @@
+"""The actor: the trained policy. It scores batches (log-probs, entropy) and takes PPO steps."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from mcore_rl.algorithms.objectives import actor_objective
+from mcore_rl.config import AlgorithmConfig
+from mcore_rl.models.weights import local_parameters
+from mcore_rl.training import TrainableModel, compute_outputs, train_step
+
+ACTOR_INPUTS = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "advantages",
+                "ref_logprobs", "engine_logprobs")
+
+
+class Actor:
+    """A Megatron policy with its optimizer."""
+
+    def __init__(self, trainable: TrainableModel, vocab_size: int, micro_batch_size: int,
+                 algorithm: AlgorithmConfig, temperature: float, importance_cap: float):
+        """temperature: the rollout temperature (log-probs are of logits / temperature, like the
+        engine's); importance_cap: truncated IS cap (0: off)."""
+        self.trainable = trainable
+        self.vocab_size = vocab_size
+        self.micro_batch_size = micro_batch_size
+        self.algorithm = algorithm
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.importance_cap = importance_cap
+
+    @property
+    def module(self):
+        """This rank's GPTModel stage (unwrapped from DDP), e.g. for the Megatron engine."""
+        return self.trainable.chunks[0].module
+
+    def parameters_for_sync(self) -> dict:
+        """Local parameters under canonical names, what the resharder reads."""
+        return local_parameters(self.module)
+
+    def logprobs(self, batch: dict) -> dict:
+        """{'logprobs', 'entropy'} [n, s] of the batch's tokens under the current policy."""
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        return compute_outputs(self.trainable.chunks, inputs, self.micro_batch_size, "lm",
+                               self.vocab_size, self.temperature)
+
+    def update(self, mini_batch: dict) -> dict:
+        """One optimizer step on a mini-batch; metrics identical on every rank."""
+        inputs = {name: mini_batch[name] for name in ACTOR_INPUTS if name in mini_batch}
+        objective = partial(actor_objective, config=self.algorithm,
+                            importance_cap=self.importance_cap)
+        metrics = train_step(self.trainable, inputs, self.micro_batch_size, objective, "lm",
+                             self.vocab_size, self.temperature)
+        return _prefixed(metrics, "actor")
+
+
+def _prefixed(metrics: dict, role: str) -> dict:
+    """Step-level names (loss, grad_norm, lr, update_skipped) get the role's prefix."""
+    return {name if "/" in name else f"{role}/{name}": value for name, value in metrics.items()}

@@ -1,0 +1,36 @@
+"""The critic: a value model (scalar head) trained on the returns of the advantage estimator."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from mcore_rl.algorithms.objectives import critic_objective
+from mcore_rl.config import AlgorithmConfig
+from mcore_rl.training import TrainableModel, compute_outputs, train_step
+
+from .actor import _prefixed
+
+CRITIC_INPUTS = ("input_ids", "attention_mask", "loss_mask", "old_values", "returns")
+
+
+class Critic:
+    """A Megatron value model with its own optimizer."""
+
+    def __init__(self, trainable: TrainableModel, micro_batch_size: int,
+                 algorithm: AlgorithmConfig):
+        self.trainable = trainable
+        self.micro_batch_size = micro_batch_size
+        self.algorithm = algorithm
+
+    def values(self, batch: dict):
+        """[n, s] value of the state in which each token was chosen."""
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        return compute_outputs(self.trainable.chunks, inputs, self.micro_batch_size,
+                               "scalar")["values"]
+
+    def update(self, mini_batch: dict) -> dict:
+        """One optimizer step of the clipped value loss; metrics identical on every rank."""
+        inputs = {name: mini_batch[name] for name in CRITIC_INPUTS}
+        objective = partial(critic_objective, config=self.algorithm)
+        return _prefixed(train_step(self.trainable, inputs, self.micro_batch_size, objective,
+                                    "scalar"), "critic")

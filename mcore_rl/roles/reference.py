@@ -1,0 +1,36 @@
+"""The reference: the frozen starting policy the KL terms measure the actor against."""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_rl.training import compute_outputs
+
+
+class Reference:
+    """A frozen Megatron policy (no optimizer, no DDP); optionally parked in CPU memory."""
+
+    def __init__(self, module: torch.nn.Module, vocab_size: int, micro_batch_size: int,
+                 temperature: float, offload: bool):
+        """module: this rank's GPTModel stage holding the starting weights."""
+        for param in module.parameters():
+            param.requires_grad_(False)
+        self.module = module
+        self.vocab_size = vocab_size
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.device = next(module.parameters()).device
+        self.offload = offload and self.device.type != "cpu"
+        if self.offload:
+            module.to("cpu")
+
+    def logprobs(self, batch: dict) -> torch.Tensor:
+        """[n, s] log-probs of the batch's tokens under the reference policy."""
+        if self.offload:
+            self.module.to(self.device)
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        logprobs = compute_outputs([self.module], inputs, self.micro_batch_size, "lm",
+                                   self.vocab_size, self.temperature)["logprobs"]
+        if self.offload:
+            self.module.to("cpu")
+        return logprobs

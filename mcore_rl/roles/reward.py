@@ -1,0 +1,28 @@
+"""The reward role for rule-based (verifiable) rewards: decode each response, score it with the
+function registered for its prompt's data_source, in sandboxed worker processes."""
+
+from __future__ import annotations
+
+from mcore_rl.rewards import RewardRequest, RuleRewards
+from mcore_rl.rollout import Generation
+
+
+class RuleReward:
+    """Scores generations against their prompt records' ground truths."""
+
+    def __init__(self, rewards: RuleRewards, tokenizer):
+        self.rewards = rewards
+        self.tokenizer = tokenizer
+
+    def score(self, generation: Generation, records: list, sample_prefix: str) -> list:
+        """One RewardResult per completion, in order. Failed or timed-out calls score 0 with
+        an error (the sandbox logs them with their sample ids)."""
+        requests = []
+        for completion in generation.completions:
+            record = records[completion.prompt_index]
+            requests.append(RewardRequest(
+                sample_id=f"{sample_prefix}/record{record.index}/sample{completion.sample_index}",
+                data_source=record.data_source,
+                response=self.tokenizer.decode(completion.token_ids, skip_special_tokens=True),
+                ground_truth=record.ground_truth, extra_info=record.extra_info))
+        return self.rewards.score(requests)

@@ -1,0 +1,6 @@
+"""RL training: the step, the loop and the Python API (`make_trainer_config`, `Trainer`)."""
+
+from .api import make_trainer_config
+from .trainer import Experience, Trainer, TrainingDiverged
+
+__all__ = ["Experience", "Trainer", "TrainingDiverged", "make_trainer_config"]

@@ -1,0 +1,121 @@
+"""Building the roles, the engine and its weight sync from one job config, on every rank.
+
+Which roles exist follows from the algorithm: a critic when the estimator needs values, a
+reference when a KL term is used. The reference starts as an exact copy of the actor's initial
+weights (also for random initialisation), so KL to the reference is 0 at step 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import InitConfig, JobConfig
+from mcore_rl.conversion.architectures import ARCHITECTURES, Architecture, architecture_for
+from mcore_rl.models import DTYPES, build_gpt_model
+from mcore_rl.models.pretrained import load_initial_weights
+from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
+from mcore_rl.resharding.execute import megatron_training_layout
+from mcore_rl.roles import Actor, Critic, Reference
+from mcore_rl.rollout import MegatronEngine, RolloutEngine
+from mcore_rl.training import make_trainable
+
+ESTIMATORS_WITH_CRITIC = ("gae",)
+
+
+@dataclass
+class Roles:
+    """The models of one RL job on this rank."""
+
+    actor: Actor
+    critic: Critic | None
+    reference: Reference | None
+
+
+def needs_critic(config: JobConfig) -> bool:
+    return config.algorithm.estimator in ESTIMATORS_WITH_CRITIC
+
+
+def needs_reference(config: JobConfig) -> bool:
+    return config.algorithm.use_kl_loss or config.algorithm.use_kl_in_reward
+
+
+def build_roles(config: JobConfig, device: torch.device) -> Roles:
+    """Actor (+ critic, + reference) with their starting weights from `config.init`."""
+    precision, temperature = config.runtime.precision, config.rollout.sampling.temperature
+    policy = build_gpt_model(config.model, config.parallel, precision, "lm", device)
+    load_initial_weights(policy, config.init, config.model)
+    reference = None
+    if needs_reference(config):
+        frozen = build_gpt_model(config.model, config.parallel, precision, "lm", device)
+        with torch.no_grad():
+            for copy, original in zip(frozen.parameters(), policy.parameters(), strict=True):
+                copy.copy_(original)
+        reference = Reference(frozen, config.model.vocab_size, config.actor.micro_batch_size,
+                              temperature, config.reference.offload)
+    actor = Actor(make_trainable(policy, config.actor.optimizer, precision),
+                  config.model.vocab_size, config.actor.micro_batch_size, config.algorithm,
+                  temperature, config.rollout.importance_cap)
+    critic = None
+    if needs_critic(config):
+        value_model = build_gpt_model(config.model, config.parallel, precision, "scalar", device)
+        load_initial_weights(value_model, critic_init(config), config.model, head="scalar")
+        critic = Critic(make_trainable(value_model, config.critic.optimizer, precision),
+                        config.critic.micro_batch_size, config.algorithm)
+    return Roles(actor, critic, reference)
+
+
+def critic_init(config: JobConfig) -> InitConfig:
+    """The critic's starting weights: critic.init_path (HF folder or mcore_rl checkpoint, told
+    apart by config.json), else the actor's."""
+    path = config.critic.init_path
+    if not path:
+        return config.init
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return InitConfig(hf_path=path)
+    return InitConfig(checkpoint=path)
+
+
+def hf_architecture(config: JobConfig) -> Architecture:
+    """The HF architecture the engine loads: the init checkpoint's, else Llama's."""
+    if config.init.hf_path:
+        with open(os.path.join(config.init.hf_path, "config.json")) as handle:
+            return architecture_for(json.load(handle))
+    if config.init.checkpoint:
+        from mcore_rl.checkpoint import read_metadata
+        name = read_metadata(config.init.checkpoint).get("hf_architecture")
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    return ARCHITECTURES["LlamaForCausalLM"]
+
+
+def context_length(config: JobConfig, max_prompt_tokens: int) -> int:
+    return max_prompt_tokens + config.rollout.sampling.max_new_tokens
+
+
+def build_engine(config: JobConfig, actor: Actor, max_prompt_tokens: int
+                 ) -> tuple[RolloutEngine, Resharder | None]:
+    """The rollout engine and, for an engine with its own weights, the resharder that feeds
+    it from the actor's shards."""
+    length = context_length(config, max_prompt_tokens)
+    if config.rollout.engine == "megatron":
+        return MegatronEngine(actor.module, config.model, length, seed=config.runtime.seed), None
+    from mcore_rl.rollout.vllm_engine import VllmEngine, write_config_folder
+
+    architecture = hf_architecture(config)
+    folder = os.path.join(config.runtime.output_dir, "engine_config")
+    if dist.get_rank() == 0:
+        write_config_folder(config.model, architecture, folder)
+    dist.barrier()
+    dtype = DTYPES[config.runtime.precision]
+    engine = VllmEngine(folder, config.model, architecture, config.rollout.rollout_tp, length,
+                        dtype, seed=config.runtime.seed,
+                        gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+                        timeout_minutes=config.runtime.collective_timeout_minutes)
+    training = megatron_training_layout(config.model)
+    plan = build_plan(training, make_rollout_layout(training, engine.weight_layout, 1), dtype)
+    return engine, Resharder(plan)

@@ -1,0 +1,135 @@
+"""The trainer's side of the data: tokenized prompt records, this rank's share of each step, and
+the reward role that scores them.
+
+Everything that can be wrong with the data (a bad row, a data source without a reward function,
+an unloadable tokenizer) is found here, at start-up, before any model is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcore_rl.config import ConfigError, JobConfig
+from mcore_rl.data import PromptRecord, PromptSampler, encode_prompts, load_records
+from mcore_rl.rewards import RuleRewards
+from mcore_rl.roles import RuleReward
+from mcore_rl.runtime import print0
+from mcore_rl.runtime.agreement import raise_on_any_rank
+
+
+@dataclass
+class TrainingData:
+    """Prompts, their token ids and the sampler that deals them out per step."""
+
+    records: list[PromptRecord]
+    """Training records that survived filtering, in dataset order."""
+
+    token_ids: list[list[int]]
+    """Each kept record's prompt tokens."""
+
+    validation: list[PromptRecord]
+    """Validation records (possibly empty)."""
+
+    validation_token_ids: list[list[int]]
+    """Each validation record's prompt tokens."""
+
+    sampler: PromptSampler
+    """This data-parallel rank's view of the global, checkpointed order."""
+
+    tokenizer: object
+    """The HF tokenizer that encoded the prompts and decodes responses."""
+
+    reward: RuleReward | None
+    """The reward role (only on ranks that score: the first of each model-parallel group)."""
+
+    dp_rank: int
+    dp_size: int
+    max_prompt_tokens: int
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return self.tokenizer.eos_token_id if pad is None else pad
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's EOS always ends a response."""
+        return (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+
+    def next_batch(self) -> tuple[list[PromptRecord], list[list[int]]]:
+        """This rank's records and prompt tokens for the next step."""
+        indices = self.sampler.next_indices()
+        return [self.records[i] for i in indices], [self.token_ids[i] for i in indices]
+
+    def validation_shard(self) -> tuple[list[PromptRecord], list[list[int]]]:
+        """Every dp_size-th validation record, starting at this rank's."""
+        picked = range(self.dp_rank, len(self.validation), self.dp_size)
+        return ([self.validation[i] for i in picked],
+                [self.validation_token_ids[i] for i in picked])
+
+    def encode_global(self, prompts: list) -> tuple[list[PromptRecord], list[list[int]]]:
+        """This rank's contiguous share of a global prompt list (texts or PromptRecords)."""
+        if len(prompts) % self.dp_size:
+            raise ValueError(f"{len(prompts)} prompts cannot be shared by {self.dp_size} "
+                             "data-parallel ranks")
+        share = len(prompts) // self.dp_size
+        mine = prompts[self.dp_rank * share:(self.dp_rank + 1) * share]
+        records = [item if isinstance(item, PromptRecord) else
+                   PromptRecord(index=self.dp_rank * share + i, prompt=item,
+                                data_source="custom", ground_truth=None, extra_info={})
+                   for i, item in enumerate(mine)]
+        encoded = encode_prompts(records, self.tokenizer, self.max_prompt_tokens, "auto")
+        if encoded.dropped_too_long:
+            raise ValueError(f"{encoded.dropped_too_long} of the given prompts are longer than "
+                             f"data.max_prompt_tokens={self.max_prompt_tokens}")
+        return encoded.records, encoded.token_ids
+
+    def close(self) -> None:
+        if self.reward is not None:
+            self.reward.rewards.close()
+
+
+def load_tokenizer(config: JobConfig):
+    path = config.data.tokenizer or config.init.hf_path
+    if not path:
+        raise ConfigError("data.tokenizer is not set and there is no init.hf_path to take the "
+                          "tokenizer from")
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"data.tokenizer: cannot load a tokenizer from {path}: {error}") \
+            from error
+
+
+def _encoded(config: JobConfig, split: str, tokenizer):
+    records, skipped = load_records(config.data, split)
+    encoded = encode_prompts(records, tokenizer, config.data.max_prompt_tokens,
+                             config.data.apply_chat_template)
+    print0(f"data ({split}): {len(encoded.records)} prompts, {skipped} bad rows skipped, "
+           f"{encoded.dropped_too_long} longer than data.max_prompt_tokens="
+           f"{config.data.max_prompt_tokens} dropped")
+    return encoded
+
+
+def load_training_data(config: JobConfig, dp_rank: int, dp_size: int, reward_fn,
+                       is_scorer: bool) -> TrainingData:
+    """Load and encode the splits, start the sampler, and (on scoring ranks) the reward role
+    after checking every data source has a reward function."""
+    tokenizer = load_tokenizer(config)
+    train = _encoded(config, "train", tokenizer)
+    validation = _encoded(config, "val", tokenizer)
+    sampler = PromptSampler(len(train.records), config.rollout.prompts_per_step, dp_rank,
+                            dp_size, config.data.seed, config.data.shuffle)
+    reward, problems = None, []
+    if is_scorer:
+        rewards = RuleRewards(config.reward, reward_fn)
+        try:
+            rewards.check_data_sources({r.data_source for r in train.records + validation.records})
+        except ValueError as error:
+            problems.append(str(error))
+        reward = RuleReward(rewards, tokenizer)
+    raise_on_any_rank(problems, ConfigError, "reward: ")
+    return TrainingData(train.records, train.token_ids, validation.records, validation.token_ids,
+                        sampler, tokenizer, reward, dp_rank, dp_size,
+                        config.data.max_prompt_tokens)

@@ -1,0 +1,122 @@
+"""Step metrics: phase timers, means over the data-parallel ranks, console and TensorBoard.
+
+Every rank computes its local sums; one all-reduce over the data-parallel group turns them into
+global means, so the numbers printed by rank 0 describe the whole batch, not rank 0's share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase of one step (`with timer("generate"): ...`)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}
+
+
+class SumsAndCounts:
+    """Local sums, counts, maxima and minima, reduced over a process group in one call each."""
+
+    def __init__(self):
+        self.sums: dict[str, tuple[float, float]] = {}
+        self.maxima: dict[str, float] = {}
+
+    def add(self, name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Accumulate a mean of `values` (where `mask` is 1) under `name`."""
+        values = values.double()
+        if mask is not None:
+            mask = mask.bool()
+            values = values[mask]
+        total, count = self.sums.get(name, (0.0, 0.0))
+        self.sums[name] = (total + float(values.sum()), count + values.numel())
+
+    def add_max(self, name: str, values: torch.Tensor) -> None:
+        """Accumulate a maximum under `name` (use -x for a minimum). The name is registered even
+        for no values, so every rank reduces the same names."""
+        largest = float(values.max()) if values.numel() else -float("inf")
+        self.maxima[name] = max(self.maxima.get(name, -float("inf")), largest)
+
+    def means(self) -> dict[str, float]:
+        """This rank's means and maxima, without communication."""
+        result = {name: total / max(count, 1) for name, (total, count) in self.sums.items()}
+        result.update(self.maxima)
+        return result
+
+    def reduce(self, group=None) -> dict[str, float]:
+        """Global means and maxima (every rank must call it with the same names)."""
+        names = sorted(self.sums)
+        totals = torch.tensor([value for name in names for value in self.sums[name]],
+                              dtype=torch.float64).reshape(-1)
+        maxima = torch.tensor([self.maxima[name] for name in sorted(self.maxima)],
+                              dtype=torch.float64)
+        if dist.is_initialized():
+            backend_device = _collective_device(group)
+            totals, maxima = totals.to(backend_device), maxima.to(backend_device)
+            dist.all_reduce(totals, group=group)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        totals = totals.cpu().reshape(-1, 2)
+        result = {name: float(totals[i, 0] / max(totals[i, 1], 1)) for i, name in enumerate(names)}
+        result.update(zip(sorted(self.maxima), maxima.cpu().tolist()))
+        return result
+
+
+def _collective_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+        else torch.device("cpu")
+
+
+def peak_memory_metrics() -> dict[str, float]:
+    """Peak accelerator memory of this rank, or its peak resident memory on CPU (MB)."""
+    if torch.cuda.is_available():
+        return {"memory/peak_allocated_mb": torch.cuda.max_memory_allocated() / 2 ** 20}
+    from mcore_rl.runtime import peak_resident_mb
+    return {"memory/peak_resident_mb": peak_resident_mb()}
+
+
+class MetricsLogger:
+    """Rank 0 prints a line per step and writes TensorBoard scalars; other ranks do nothing."""
+
+    CONSOLE = ("reward/mean", "reward/accuracy", "actor/entropy", "actor/kl_to_reference",
+               "actor/grad_norm", "critic/loss", "response/length_mean", "time/step",
+               "throughput/tokens_per_second")
+
+    def __init__(self, output_dir: str, tensorboard: bool):
+        self.active = not dist.is_initialized() or dist.get_rank() == 0
+        self.writer = None
+        if self.active and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float], prefix: str = "step") -> None:
+        if not self.active:
+            return
+        names = [name for name in self.CONSOLE if name in metrics] or sorted(metrics)
+        shown = "  ".join(f"{name} {metrics[name]:.4g}" for name in names)
+        print(f"{prefix} {step}: {shown}", flush=True)
+        if self.writer is not None:
+            for name, value in metrics.items():
+                self.writer.add_scalar(name, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,346 @@
+"""The RL trainer: one SPMD program on every rank, the step reading like its pseudocode.
+
+    prompts    = data.next_batch(dp_rank)
+    sync weights actor -> engine (resharder); engine.wake(); generate; engine.sleep()
+    rewards    = reward.score(samples)            (first rank of each model-parallel group)
+    old_logp, ref_logp, values = actor / reference / critic forward passes
+    advantages = estimator(rewards, values, groups)
+    for epoch, mini-batch: critic.update(mb); actor.update(mb)
+    log(metrics); checkpoint.maybe_save(step)
+
+Every rank of a model-parallel group (TP x PP) must train on identical rows, so the group's
+first rank is the source of truth for what was generated and how it scored: it broadcasts the
+generation and the scores to the group. Data-parallel ranks hold different prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.algorithms.advantages import AdvantageInputs, compute_advantages
+from mcore_rl.algorithms.kl import KLController, apply_kl_penalty, kl_estimate
+from mcore_rl.config import JobConfig, to_yaml, validate_rl
+from mcore_rl.config.rollout import PromptConfig
+from mcore_rl.runtime import initialize, print0, shutdown
+from mcore_rl.runtime.launch_env import read_launch_env
+
+from .api import with_actor_model
+from .build import build_engine, build_roles
+from .data import TrainingData, load_training_data
+from .experience import make_experience, mini_batches
+from .metrics import MetricsLogger, PhaseTimer, SumsAndCounts, peak_memory_metrics
+
+logger = logging.getLogger("mcore_rl.trainer")
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps with non-finite losses or gradients."""
+
+
+@dataclasses.dataclass
+class Experience:
+    """One step's scored, evaluated rollouts on this rank, ready for `update_policy`."""
+
+    batch: dict
+    """[n, s] tensors (see trainer.experience) plus old_logprobs, advantages, returns..."""
+
+    stats: SumsAndCounts
+    """Rollout statistics still to be reduced over data-parallel ranks."""
+
+    timer: PhaseTimer
+    """Seconds spent per phase so far in this step."""
+
+    started: float
+    """perf_counter() when the step began."""
+
+
+class Trainer:
+    """PPO/GRPO-family training of a Megatron actor (and critic) with a rollout engine."""
+
+    def __init__(self, config: JobConfig, actor_model: str | None = None,
+                 critic_model: str | None = None, reward_fn=None):
+        """Every rank constructs the same Trainer. actor_model / critic_model: HF folders or
+        mcore_rl checkpoints overriding init / critic.init_path (the critic must share the
+        actor's architecture). reward_fn: a module-level function fn(data_source, solution_str,
+        ground_truth, extra_info) -> float | dict used for every sample instead of the reward
+        registry."""
+        if actor_model is not None:
+            config = with_actor_model(config, actor_model)
+        if critic_model is not None:
+            config = dataclasses.replace(config, critic=dataclasses.replace(
+                config.critic, init_path=critic_model))
+        launch = read_launch_env()
+        self.config = validate_rl(config, launch.world_size)
+        self.runtime = initialize(config, launch)
+        from megatron.core import parallel_state
+
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.mp_group = parallel_state.get_model_parallel_group()
+        self.mp_source = dist.get_process_group_ranks(self.mp_group)[0]
+        self.data: TrainingData = load_training_data(
+            config, parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(), reward_fn,
+            is_scorer=dist.get_rank() == self.mp_source)
+        self.roles = build_roles(config, self.runtime.device)
+        self.engine, self.weight_sync = build_engine(config, self.roles.actor,
+                                                     config.data.max_prompt_tokens)
+        algorithm = config.algorithm
+        self.kl_controller = KLController(algorithm.kl_coef, algorithm.kl_controller == "adaptive",
+                                          algorithm.target_kl, algorithm.kl_horizon)
+        self.prompt_config = PromptConfig(max_prompt_tokens=config.data.max_prompt_tokens)
+        self.step = 0
+        self.bad_steps = 0
+        self.logger = MetricsLogger(config.runtime.output_dir, config.trainer.tensorboard)
+        self.checkpoint_dir = os.path.join(config.runtime.output_dir, "checkpoints")
+        if config.trainer.resume:
+            self._resume()
+
+    # -- the step ---------------------------------------------------------------------------
+    def collect_data(self, prompts: list | None = None) -> Experience:
+        """Generate, score and evaluate one batch: this rank's share of `prompts` (a global list
+        of texts or PromptRecords, identical on every rank) or the sampler's next batch."""
+        started, timer, stats = time.perf_counter(), PhaseTimer(), SumsAndCounts()
+        records, token_ids = self.data.next_batch() if prompts is None \
+            else self.data.encode_global(prompts)
+        with timer("reshard"):
+            self._sync_weights()
+        with timer("generate"):
+            self.engine.wake()
+            generation = self.engine.generate(token_ids, self._sampling(), self.prompt_config)
+            self.engine.sleep()
+        with timer("reward"):
+            generation, results = self._score(generation, records)
+        batch = make_experience(generation, [r.score for r in results], self.config.rollout,
+                                self.data.pad_id)
+        with timer("logprobs"):
+            self._evaluate_batch(batch)
+        with timer("advantages"):
+            self._advantages(batch, stats)
+        _rollout_statistics(batch, results, generation.metrics, stats)
+        return Experience(batch, stats, timer, started)
+
+    def update_policy(self, experience: Experience) -> dict:
+        """PPO epochs over mini-batches for the critic, then the actor; returns the step's
+        metrics (identical on every rank; 'reward' is the mean score)."""
+        timer, batch = experience.timer, experience.batch
+        updates = SumsAndCounts()
+        skipped = False
+        with timer("update"):
+            for _ in range(self.config.trainer.ppo_epochs):
+                for mini_batch in mini_batches(batch, self.config.trainer.mini_batches):
+                    metrics = {}
+                    if self.roles.critic is not None:
+                        metrics.update(self.roles.critic.update(mini_batch))
+                    metrics.update(self.roles.actor.update(mini_batch))
+                    skipped |= any(metrics.pop(name) for name in list(metrics)
+                                   if name.endswith("update_skipped"))
+                    for name, value in metrics.items():
+                        updates.add(name, torch.tensor([value]))
+        metrics = _derived(experience.stats.reduce(self.dp_group))
+        metrics.update(updates.means())  # already global: every rank holds the same values
+        metrics.update(timer.metrics())
+        metrics.update(peak_memory_metrics())
+        seconds = time.perf_counter() - experience.started
+        metrics.update({"time/step": seconds, "reward": metrics["reward/mean"],
+                        "throughput/tokens_per_second": metrics["throughput/tokens"] / seconds,
+                        "training/update_skipped": float(skipped)})
+        return metrics
+
+    def train_step(self) -> dict:
+        """collect_data + update_policy on the sampler's next batch, then log and save."""
+        metrics = self.update_policy(self.collect_data())
+        self.step += 1
+        self._track_bad_steps(metrics)
+        self.logger.log(self.step, metrics)
+        trainer = self.config.trainer
+        if trainer.save_every and (self.step % trainer.save_every == 0
+                                   or self.step == trainer.total_steps):
+            self.save()
+        return metrics
+
+    def fit(self) -> list[dict]:
+        """Train until trainer.total_steps (continuing a resumed run), evaluating every
+        trainer.eval_every steps; returns the metrics of the steps run here."""
+        history = []
+        every = self.config.trainer.eval_every
+        if every and self.step == 0:
+            self.logger.log(0, self.evaluate(), "eval")
+        while self.step < self.config.trainer.total_steps:
+            history.append(self.train_step())
+            if every and self.step % every == 0:
+                self.logger.log(self.step, self.evaluate(), "eval")
+        return history
+
+    def evaluate(self) -> dict:
+        """Mean score and accuracy of `rollout.eval_sampling` responses to the validation
+        prompts (each data-parallel rank takes a share)."""
+        records, token_ids = self.data.validation_shard()
+        self._sync_weights()
+        self.engine.wake()
+        sampling = dataclasses.replace(self.config.rollout.eval_sampling,
+                                       stop_token_ids=self.data.stop_token_ids,
+                                       seed=self.config.runtime.seed)
+        generation = self.engine.generate(token_ids, sampling, self.prompt_config)
+        self.engine.sleep()
+        generation, results = self._score(generation, records)
+        stats = SumsAndCounts()
+        scores = torch.tensor([result.score for result in results], dtype=torch.float64)
+        stats.add("eval/reward_mean", scores)
+        stats.add("eval/accuracy", (scores >= 1.0).double())
+        stats.add("eval/response_length", torch.tensor(
+            [len(c.token_ids) for c in generation.completions], dtype=torch.float64))
+        return stats.reduce(self.dp_group)
+
+    # -- pieces of the step ------------------------------------------------------------------
+    def _sampling(self):
+        """Training sampling with the stop tokens and a seed fixed by the step."""
+        return dataclasses.replace(self.config.rollout.sampling,
+                                   stop_token_ids=self.data.stop_token_ids,
+                                   seed=self.config.runtime.seed * 100_003 + self.step)
+
+    def _sync_weights(self) -> None:
+        if self.weight_sync is not None:
+            self.engine.update_weights(self.weight_sync.sync(
+                self.roles.actor.parameters_for_sync()))
+
+    def _score(self, generation, records):
+        """The model-parallel group's first rank scores its generation and hands both to the
+        rest of the group, so every stage and TP rank trains on the same rows."""
+        payload = [None]
+        if dist.get_rank() == self.mp_source:
+            payload = [(generation, self.data.reward.score(generation, records,
+                                                           f"step{self.step}"))]
+        if dist.get_world_size(self.mp_group) > 1:
+            dist.broadcast_object_list(payload, src=self.mp_source, group=self.mp_group)
+        return payload[0]
+
+    def _evaluate_batch(self, batch: dict) -> None:
+        """Old log-probs (actor), reference log-probs and old values (critic) of the batch."""
+        roles = self.roles
+        batch["old_logprobs"] = roles.actor.logprobs(batch)["logprobs"]
+        if roles.reference is not None:
+            batch["ref_logprobs"] = roles.reference.logprobs(batch)
+        if roles.critic is not None:
+            batch["old_values"] = roles.critic.values(batch)
+
+    def _advantages(self, batch: dict, stats: SumsAndCounts) -> None:
+        algorithm = self.config.algorithm
+        mask = batch["response_mask"]
+        token_rewards = batch["token_rewards"]
+        if "ref_logprobs" in batch:
+            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"],
+                             algorithm.kl_estimator)
+            stats.add("actor/kl_to_reference", kl, mask)
+        if algorithm.use_kl_in_reward:
+            token_rewards, _ = apply_kl_penalty(token_rewards, batch["old_logprobs"],
+                                                batch["ref_logprobs"], mask.float(),
+                                                self.kl_controller, algorithm.kl_estimator,
+                                                self.dp_group)
+            stats.add("actor/kl_coef", torch.tensor([self.kl_controller.value]))
+        inputs = AdvantageInputs(token_rewards=token_rewards, response_mask=mask.float(),
+                                 group_ids=batch["group_ids"], values=batch.get("old_values"))
+        batch["advantages"], batch["returns"] = compute_advantages(inputs, algorithm,
+                                                                   self.dp_group)
+
+    def _track_bad_steps(self, metrics: dict) -> None:
+        bad = metrics["training/update_skipped"] > 0 or not all(
+            math.isfinite(value) for name, value in metrics.items()
+            if name.endswith(("/loss", "/grad_norm")))
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        if bad:
+            print0(f"step {self.step}: update skipped (non-finite loss or gradient norm), "
+                   f"{self.bad_steps} in a row")
+        if self.bad_steps >= self.config.trainer.max_bad_steps:
+            raise TrainingDiverged(
+                f"{self.bad_steps} consecutive steps with non-finite losses or gradients "
+                f"(trainer.max_bad_steps={self.config.trainer.max_bad_steps}); the newest "
+                f"checkpoint in {self.checkpoint_dir} is from before them")
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _trained_models(self) -> dict:
+        models = {"actor": self.roles.actor.trainable}
+        if self.roles.critic is not None:
+            models["critic"] = self.roles.critic.trainable
+        return models
+
+    def save(self) -> str:
+        """Checkpoint everything a bitwise resume needs (collective)."""
+        from mcore_rl.checkpoint.training_state import save_training_state
+
+        state = {"sampler": self.data.sampler.state_dict(),
+                 "kl_controller": self.kl_controller.state_dict(), "bad_steps": self.bad_steps}
+        return save_training_state(self.checkpoint_dir, self.step, self._trained_models(), state,
+                                   to_yaml(self.config), self.config.trainer.keep_last)
+
+    def _resume(self) -> None:
+        from mcore_rl.checkpoint.training_state import load_latest_training_state
+
+        loaded = load_latest_training_state(self.checkpoint_dir, self._trained_models())
+        if loaded is None:
+            return
+        self.step, state = loaded
+        self.data.sampler.load_state_dict(state["sampler"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.bad_steps = state["bad_steps"]
+        print0(f"resumed from step {self.step} ({self.checkpoint_dir})")
+
+    def close(self) -> None:
+        """Stop reward workers and TensorBoard, and leave the process group."""
+        self.data.close()
+        self.logger.close()
+        self.engine.close()
+        shutdown()
+
+
+def _rollout_statistics(batch: dict, results: list, generation_metrics: dict,
+                        stats: SumsAndCounts) -> None:
+    """This rank's rollout numbers: rewards, lengths, advantages, values, mismatch."""
+    scores = batch["scores"].double()
+    stats.add("reward/mean", scores)
+    stats.add("reward/square", scores.square())
+    stats.add("reward/accuracy", (scores >= 1.0).double())
+    stats.add("reward/errors", torch.tensor([sum(r.error is not None for r in results)],
+                                            dtype=torch.float64))
+    response = batch["response_mask"].bool()
+    lengths = response.sum(dim=1).double()
+    stats.add("response/length_mean", lengths)
+    stats.add_max("response/length_max", lengths)
+    stats.add("response/truncated", batch["truncated"].double())
+    stats.add("throughput/tokens", torch.tensor([float(batch["attention_mask"].sum())]))
+    stats.add("advantages/mean", batch["advantages"], response)
+    stats.add_max("advantages/max", batch["advantages"][response])
+    stats.add_max("advantages/neg_min", -batch["advantages"][response])
+    delta = (batch["old_logprobs"] - batch["engine_logprobs"]).double()
+    stats.add("rollout/logprob_abs_diff_mean", delta.abs(), response)
+    stats.add_max("rollout/logprob_abs_diff_max", delta.abs()[response])
+    stats.add("rollout/k3_kl", delta.exp() - 1 - delta, response)
+    stats.add("rollout/truncated_prompts",
+              torch.tensor([float(generation_metrics.get("truncated_prompts", 0))]))
+    if "old_values" in batch:
+        values, returns = batch["old_values"].double(), batch["returns"].double()
+        stats.add("critic/values_mean", values, response)
+        stats.add("critic/returns_mean", returns, response)
+        stats.add("critic/returns_square", returns.square(), response)
+        stats.add("critic/error_mean", returns - values, response)
+        stats.add("critic/error_square", (returns - values).square(), response)
+
+
+def _derived(metrics: dict) -> dict:
+    """Standard deviations, the advantage minimum and the critic's explained variance from the
+    reduced sums (helper entries removed)."""
+    metrics["reward/std"] = math.sqrt(max(metrics.pop("reward/square")
+                                          - metrics["reward/mean"] ** 2, 0.0))
+    metrics["advantages/min"] = -metrics.pop("advantages/neg_min")
+    if "critic/returns_square" in metrics:
+        returns_var = metrics.pop("critic/returns_square") - metrics["critic/returns_mean"] ** 2
+        error_var = metrics.pop("critic/error_square") - metrics.pop("critic/error_mean") ** 2
+        metrics["critic/explained_variance"] = 1 - error_var / returns_var \
+            if returns_var > 0 else float("nan")
+    return metrics
