@@ -22,6 +22,9 @@ setup(
         "omegaconf>=2.3",
         "pyyaml",
         "psutil",
+        "pyarrow",
+        "math-verify",
+        "reasoning-gym",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],

@@ -123,12 +123,12 @@ def load_training_data(config: JobConfig, dp_rank: int, dp_size: int, reward_fn,
                             dp_size, config.data.seed, config.data.shuffle)
     reward, problems = None, []
     if is_scorer:
-        rewards = RuleRewards(config.reward, reward_fn)
         try:
+            rewards = RuleRewards(config.reward, reward_fn)
+            reward = RuleReward(rewards, tokenizer)
             rewards.check_data_sources({r.data_source for r in train.records + validation.records})
         except ValueError as error:
             problems.append(str(error))
-        reward = RuleReward(rewards, tokenizer)
     raise_on_any_rank(problems, ConfigError, "reward: ")
     return TrainingData(train.records, train.token_ids, validation.records, validation.token_ids,
                         sampler, tokenizer, reward, dp_rank, dp_size,

