@@ -25,3 +25,54 @@ def train(out_path: str, overrides: list[str]) -> None:
     if dist.get_rank() == 0:
         torch.save({"before": before, "after": after, "history": history}, out_path)
     trainer.close()
+
+
+def train_then_die(out_path: str, overrides: list[str], kill_after_step: int) -> None:
+    """Train step by step and SIGKILL every rank right after step `kill_after_step` (whose
+    checkpoint the config makes it save): no clean shutdown, nothing flushed afterwards."""
+    import signal
+
+    trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    history = []
+    while trainer.step < kill_after_step:
+        history.append(trainer.train_step())
+    if dist.get_rank() == 0:
+        torch.save({"history": history}, out_path)
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def nonfinite_update(out_path: str) -> None:
+    """A NaN loss must leave the weights and the LR schedule untouched; a finite one must
+    not."""
+    from mcore_rl.config import BatchConfig, JobConfig, ModelConfig
+    from mcore_rl.models import build_gpt_model
+    from mcore_rl.runtime import initialize, shutdown
+    from mcore_rl.smoke import next_token_loss, random_batch
+    from mcore_rl.training import make_trainable, train_step
+
+    config = JobConfig(model=ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128,
+                                         num_attention_heads=4, num_kv_heads=2, vocab_size=64,
+                                         max_position_embeddings=32),
+                       batch=BatchConfig(global_batch_size=4, micro_batch_size=2, seq_length=16))
+    initialize(config)
+    trainable = make_trainable(build_gpt_model(config.model, config.parallel), config.optimizer,
+                               "fp32")
+    batch = random_batch(config, 0)
+
+    def nan_loss(outputs, micro_batch):
+        numerator, denominator, metrics = next_token_loss(outputs, micro_batch)
+        return numerator * float("nan"), denominator, metrics
+
+    def snapshot():
+        return [p.detach().clone() for p in trainable.chunks[0].parameters()]
+
+    before = snapshot()
+    skipped = train_step(trainable, batch, 2, nan_loss, vocab_size=64)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, snapshot()))
+    scheduler_steps = trainable.scheduler.num_steps
+    taken = train_step(trainable, batch, 2, next_token_loss, vocab_size=64)
+    changed = not all(torch.equal(a, b) for a, b in zip(before, snapshot()))
+    torch.save({"skipped": skipped, "unchanged": unchanged, "scheduler_steps": scheduler_steps,
+                "taken": taken, "changed": changed}, out_path)
+    shutdown()

@@ -122,7 +122,7 @@ def validate_rl(config: JobConfig, world_size: int) -> JobConfig:
     errors += config.data.errors() + config.reward.errors()
     errors += config.actor.optimizer.check("actor.optimizer")
     errors += config.critic.optimizer.check("critic.optimizer")
-    errors += _rl_batch_errors(config, world_size)
+    errors += _rl_batch_errors(config, world_size) + _registry_errors(config.algorithm)
     length = config.data.max_prompt_tokens + config.rollout.sampling.max_new_tokens
     if length > config.model.max_position_embeddings:
         errors.append(f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {length} "
@@ -135,6 +135,20 @@ def validate_rl(config: JobConfig, world_size: int) -> JobConfig:
         raise ConfigError("invalid RL configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
     return config
+
+
+def _registry_errors(algorithm: AlgorithmConfig) -> list[str]:
+    """Estimator and policy-loss names must be registered (users may register their own)."""
+    from ..algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
+    errors = []
+    for field_name, registry in (("estimator", ADVANTAGE_ESTIMATORS),
+                                 ("policy_loss", POLICY_LOSSES)):
+        name = getattr(algorithm, field_name)
+        if name not in registry.names():
+            errors.append(f"algorithm.{field_name}={name!r} is not a known {registry.kind}; "
+                          f"known: {', '.join(registry.names())}")
+    return errors
 
 
 def _rl_batch_errors(config: JobConfig, world_size: int) -> list[str]:

@@ -119,6 +119,10 @@ class Trainer:
             generation, results = self._score(generation, records)
         batch = make_experience(generation, [r.score for r in results], self.config.rollout,
                                 self.data.pad_id)
+        if self.config.algorithm.estimator == "remax":
+            with timer("generate_baseline"):
+                batch["reward_baselines"] = self._greedy_scores(records, token_ids)[
+                    batch["group_ids"]]
         with timer("logprobs"):
             self._evaluate_batch(batch)
         with timer("advantages"):
@@ -205,6 +209,16 @@ class Trainer:
                                    stop_token_ids=self.data.stop_token_ids,
                                    seed=self.config.runtime.seed * 100_003 + self.step)
 
+    def _greedy_scores(self, records: list, token_ids: list) -> torch.Tensor:
+        """Score of the greedy response to each prompt (ReMax's baseline)."""
+        sampling = dataclasses.replace(self.config.rollout.sampling, n=1, temperature=0.0,
+                                       stop_token_ids=self.data.stop_token_ids)
+        self.engine.wake()
+        generation = self.engine.generate(token_ids, sampling, self.prompt_config)
+        self.engine.sleep()
+        _, results = self._score(generation, records)
+        return torch.tensor([result.score for result in results], dtype=torch.float32)
+
     def _sync_weights(self) -> None:
         if self.weight_sync is not None:
             self.engine.update_weights(self.weight_sync.sync(
@@ -245,14 +259,13 @@ class Trainer:
                                                 self.dp_group)
             stats.add("actor/kl_coef", torch.tensor([self.kl_controller.value]))
         inputs = AdvantageInputs(token_rewards=token_rewards, response_mask=mask.float(),
-                                 group_ids=batch["group_ids"], values=batch.get("old_values"))
+                                 group_ids=batch["group_ids"], values=batch.get("old_values"),
+                                 reward_baselines=batch.get("reward_baselines"))
         batch["advantages"], batch["returns"] = compute_advantages(inputs, algorithm,
                                                                    self.dp_group)
 
     def _track_bad_steps(self, metrics: dict) -> None:
-        bad = metrics["training/update_skipped"] > 0 or not all(
-            math.isfinite(value) for name, value in metrics.items()
-            if name.endswith(("/loss", "/grad_norm")))
+        bad = is_bad_step(metrics)
         self.bad_steps = self.bad_steps + 1 if bad else 0
         if bad:
             print0(f"step {self.step}: update skipped (non-finite loss or gradient norm), "
@@ -297,6 +310,13 @@ class Trainer:
         self.logger.close()
         self.engine.close()
         shutdown()
+
+
+def is_bad_step(metrics: dict) -> bool:
+    """A step whose update was skipped or whose losses or gradient norms are not finite."""
+    return metrics["training/update_skipped"] > 0 or not all(
+        math.isfinite(value) for name, value in metrics.items()
+        if name.endswith(("/loss", "/grad_norm")))
 
 
 def _rollout_statistics(batch: dict, results: list, generation_metrics: dict,

@@ -1,0 +1,147 @@
+"""The trainer's pure pieces against hand-computed references: experience tensors (reward on
+the last response token, DAPO's overlong penalty and filtering), metric reduction, the actor
+objective with truncated importance sampling, bad-step detection, config rules and the Python
+API's mapping onto config fields; and a real Megatron update that must refuse a NaN loss."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from mcore_rl.algorithms.objectives import actor_objective
+from mcore_rl.config import AlgorithmConfig, ConfigError, load_config, validate_rl
+from mcore_rl.config.rl import RolloutConfig
+from mcore_rl.config.rollout import SamplingConfig
+from mcore_rl.rollout import Completion, Generation
+from mcore_rl.trainer.api import make_trainer_config
+from mcore_rl.trainer.experience import make_experience, mini_batches, overlong_penalty
+from mcore_rl.trainer.metrics import SumsAndCounts
+from mcore_rl.trainer.trainer import is_bad_step
+from world import run_world
+
+
+def generation():
+    prompts = [[5, 6], [7]]
+    completions = [Completion(0, 0, [8, 9, 1], [-0.1, -0.2, -0.3], "stop"),
+                   Completion(0, 1, [8, 8, 8, 8], [-0.5] * 4, "length"),
+                   Completion(1, 0, [1], [-0.05], "stop")]
+    return Generation(completions, prompts)
+
+
+def test_experience_places_rewards_and_masks():
+    rollout = RolloutConfig(sampling=SamplingConfig(max_new_tokens=4))
+    batch = make_experience(generation(), [1.0, 0.5, 0.25], rollout, pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 8, 9, 1, 0], [5, 6, 8, 8, 8, 8],
+                                           [7, 1, 0, 0, 0, 0]]
+    assert batch["response_mask"].tolist() == [[0, 0, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1],
+                                               [0, 1, 0, 0, 0, 0]]
+    expected = torch.zeros(3, 6)
+    expected[0, 4], expected[1, 5], expected[2, 1] = 1.0, 0.5, 0.25
+    assert torch.equal(batch["token_rewards"], expected)
+    assert batch["group_ids"].tolist() == [0, 0, 1]
+    assert batch["truncated"].tolist() == [False, True, False]
+    assert torch.equal(batch["loss_mask"], batch["response_mask"])
+    assert [len(m["input_ids"]) for m in mini_batches(batch, 3)] == [1, 1, 1]
+
+
+def test_overlong_filter_and_penalty():
+    sampling = SamplingConfig(max_new_tokens=4)
+    filtered = make_experience(generation(), [1.0, 0.5, 0.25],
+                               RolloutConfig(sampling=sampling, overlong="filter"), 0)
+    assert filtered["loss_mask"][1].sum() == 0 and filtered["loss_mask"][0].sum() == 3
+    penalised = make_experience(generation(), [1.0, 0.5, 0.25],
+                                RolloutConfig(sampling=sampling, overlong="penalty",
+                                              overlong_buffer=2), 0)
+    # DAPO: lengths 3 and 4 with L_max 4, buffer 2 -> (4 - 2 - L) / 2 = -0.5 and -1.
+    assert penalised["scores"].tolist() == pytest.approx([0.5, -0.5, 0.25])
+    assert overlong_penalty(torch.tensor([0, 2, 3, 4]), 4, 2).tolist() == [0, 0, -0.5, -1]
+
+
+def test_sums_and_counts_without_a_group():
+    stats = SumsAndCounts()
+    stats.add("a", torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 0, 1]))
+    stats.add("a", torch.tensor([4.0]))
+    stats.add_max("m", torch.tensor([]))
+    stats.add_max("m", torch.tensor([2.0, -1.0]))
+    assert stats.means() == {"a": pytest.approx(8 / 3), "m": 2.0}
+
+
+def test_actor_objective_with_importance_cap_matches_slow_reference():
+    torch.manual_seed(0)
+    shape = (3, 5)
+    logprobs, old, engine = (-torch.rand(shape) for _ in range(3))
+    advantages = torch.randn(shape)
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0]], dtype=torch.float)
+    config = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, entropy_coef=0.01)
+    entropy = torch.rand(shape)
+    numerator, denominator, metrics = actor_objective(
+        {"logprobs": logprobs, "entropy": entropy},
+        {"loss_mask": mask, "old_logprobs": old, "advantages": advantages,
+         "engine_logprobs": engine}, config, importance_cap=1.5)
+    total = 0.0
+    for i in range(3):
+        for t in range(5):
+            if not mask[i, t]:
+                continue
+            ratio = math.exp(logprobs[i, t] - old[i, t])
+            a = float(advantages[i, t])
+            loss = max(-a * ratio, -a * min(max(ratio, 0.8), 1.28))
+            if a < 0:
+                loss = min(loss, -a * 3.0)
+            weight = min(math.exp(old[i, t] - engine[i, t]), 1.5)
+            total += loss * weight - 0.01 * float(entropy[i, t])
+    assert denominator == int(mask.sum())
+    assert float(numerator) == pytest.approx(total, rel=1e-5)
+    assert 0 < float(metrics["actor/importance_weight"]) <= 1.5
+
+
+def test_bad_steps():
+    good = {"training/update_skipped": 0.0, "actor/loss": 0.1, "actor/grad_norm": 1.0,
+            "critic/explained_variance": float("nan")}
+    assert not is_bad_step(good)
+    assert is_bad_step(dict(good, **{"actor/grad_norm": float("inf")}))
+    assert is_bad_step(dict(good, **{"training/update_skipped": 1.0}))
+
+
+def test_rl_config_rules_name_the_fields():
+    config = load_config(None, ["data.toy.size=8", "rollout.prompts_per_step=6",
+                                "algorithm.policy_loss=nope", "rollout.engine=sglang"])
+    with pytest.raises(ConfigError) as error:
+        validate_rl(config, 4)
+    message = str(error.value)
+    assert "algorithm.policy_loss='nope' is not a known policy loss; known: gspo, ppo" in message
+    assert "rollout.engine='sglang'" in message
+    config = load_config(None, ["data.toy.size=8", "rollout.prompts_per_step=4",
+                                "rollout.sampling.n=3", "actor.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match="actor.micro_batch_size=4 must divide the 6"):
+        validate_rl(config, 2)
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        validate_rl(dataclasses.replace(config, data=dataclasses.replace(
+            config.data, max_prompt_tokens=10 ** 6)), 1)
+
+
+def test_make_trainer_config_maps_the_seed_api(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    config = make_trainer_config(algo="ppo", actor_micro_batch_size=4, critic_micro_batch_size=8,
+                                 rollouts_per_device=64, vf_coef=0.1, clip_eps=0.25,
+                                 mixed_precision="bf16", overrides=["rollout.sampling.n=8"])
+    assert config.algorithm.estimator == "gae"
+    assert (config.actor.micro_batch_size, config.critic.micro_batch_size) == (4, 8)
+    assert config.rollout.prompts_per_step == 64 * 2 // 8
+    assert config.algorithm.value_loss_coef == 0.1
+    assert config.algorithm.clip_ratio_low == config.algorithm.clip_ratio_high == 0.25
+    assert config.runtime.precision == "bf16"
+    with pytest.raises(ValueError, match="mixed_precision"):
+        make_trainer_config(mixed_precision="fp8")
+
+
+def test_nonfinite_loss_skips_the_update(tmp_path):
+    from rl_worker import nonfinite_update
+
+    run_world(1, nonfinite_update, str(tmp_path / "out.pt"))
+    found = torch.load(tmp_path / "out.pt")
+    assert found["skipped"]["update_skipped"] and math.isnan(found["skipped"]["loss"])
+    assert found["unchanged"] and found["scheduler_steps"] == 0
+    assert not found["taken"]["update_skipped"] and found["changed"]
