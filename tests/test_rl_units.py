@@ -15,7 +15,8 @@ from mcore_rl.config.rl import RolloutConfig
 from mcore_rl.config.rollout import SamplingConfig
 from mcore_rl.rollout import Completion, Generation
 from mcore_rl.trainer.api import make_trainer_config
-from mcore_rl.trainer.experience import make_experience, mini_batches, overlong_penalty
+from mcore_rl.trainer.experience import (Rollout, make_experience, mini_batches,
+                                         overlong_penalty, select_groups, varied_groups)
 from mcore_rl.trainer.metrics import SumsAndCounts
 from mcore_rl.trainer.trainer import is_bad_step
 from world import run_world
@@ -56,6 +57,25 @@ def test_overlong_filter_and_penalty():
     # DAPO: lengths 3 and 4 with L_max 4, buffer 2 -> (4 - 2 - L) / 2 = -0.5 and -1.
     assert penalised["scores"].tolist() == pytest.approx([0.5, -0.5, 0.25])
     assert overlong_penalty(torch.tensor([0, 2, 3, 4]), 4, 2).tolist() == [0, 0, -0.5, -1]
+
+
+def test_dynamic_sampling_keeps_groups_with_varied_rewards():
+    from mcore_rl.rewards import RewardResult
+
+    def results(scores):
+        return [RewardResult(score) for score in scores]
+
+    first = Rollout(["r0", "r1"], [[5, 6], [7]], generation(), results([1.0, 0.0, 0.5]))
+    second = Rollout(["s0"], [[9]], Generation([Completion(0, 0, [2], [-1.0], "stop"),
+                                                Completion(0, 1, [3], [-2.0], "stop")], [[9]]),
+                     results([0.0, 1.0]))
+    # Prompt 1 of the first round has a single response: nothing to compare, no signal.
+    assert varied_groups(first) == [0] and varied_groups(second) == [0]
+    merged = select_groups([first, second], [[0], [0]])
+    assert merged.records == ["r0", "s0"] and merged.token_ids == [[5, 6], [9]]
+    assert [c.prompt_index for c in merged.generation.completions] == [0, 0, 1, 1]
+    assert merged.scores == [1.0, 0.0, 0.0, 1.0]
+    assert merged.generation.prompts == [[5, 6], [9]]
 
 
 def test_sums_and_counts_without_a_group():

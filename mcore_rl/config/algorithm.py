@@ -9,6 +9,7 @@ from dataclasses import dataclass
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                      "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+ESTIMATORS_WITH_CRITIC = ("gae",)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,16 @@ class AlgorithmConfig:
 
     kl_horizon: int = 10000
     """Adaptive controller's horizon, in samples."""
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the estimator reads critic values (then a critic is built and trained)."""
+        return self.estimator in ESTIMATORS_WITH_CRITIC
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a KL term needs the reference policy's log-probs."""
+        return self.use_kl_loss or self.use_kl_in_reward
 
     def errors(self) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""

@@ -164,7 +164,7 @@ def _rl_batch_errors(config: JobConfig, world_size: int) -> list[str]:
         return [f"each data-parallel rank's {rows} responses per step (prompts_per_step / DP x "
                 f"sampling.n) must be divisible by trainer.mini_batches={mini_batches}"]
     errors = []
-    for role in ("actor", "critic"):
+    for role in ("actor", "critic") if config.algorithm.needs_critic else ("actor",):
         micro = getattr(config, role).micro_batch_size
         if micro < 1 or (rows // mini_batches) % micro:
             errors.append(f"{role}.micro_batch_size={micro} must divide the {rows // mini_batches}"

@@ -78,6 +78,13 @@ class RolloutConfig:
     overlong_buffer: int = 16
     """Tokens before max_new_tokens where the soft penalty ramps from 0 to -1."""
 
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop prompts whose responses all scored the same (no GRPO
+    signal) and generate further rounds from the dataset until the batch is full again."""
+
+    max_sampling_rounds: int = 3
+    """Most generate rounds per step with dynamic sampling."""
+
     importance_cap: float = 0.0
     """Truncated importance sampling: weight each token's policy loss by
     min(exp(logp_old - logp_engine), cap) to correct the engine/trainer mismatch (0: off)."""
@@ -99,6 +106,8 @@ class RolloutConfig:
                 self.sampling.max_new_tokens:
             errors.append(f"rollout.overlong_buffer={self.overlong_buffer} must be in "
                           f"(0, sampling.max_new_tokens={self.sampling.max_new_tokens}]")
+        if self.max_sampling_rounds < 1:
+            errors.append(f"rollout.max_sampling_rounds={self.max_sampling_rounds} must be >= 1")
         if self.importance_cap < 0:
             errors.append(f"rollout.importance_cap={self.importance_cap} must be >= 0")
         return errors

@@ -24,9 +24,6 @@ from mcore_rl.roles import Actor, Critic, Reference
 from mcore_rl.rollout import MegatronEngine, RolloutEngine
 from mcore_rl.training import make_trainable
 
-ESTIMATORS_WITH_CRITIC = ("gae",)
-
-
 @dataclass
 class Roles:
     """The models of one RL job on this rank."""
@@ -36,21 +33,13 @@ class Roles:
     reference: Reference | None
 
 
-def needs_critic(config: JobConfig) -> bool:
-    return config.algorithm.estimator in ESTIMATORS_WITH_CRITIC
-
-
-def needs_reference(config: JobConfig) -> bool:
-    return config.algorithm.use_kl_loss or config.algorithm.use_kl_in_reward
-
-
 def build_roles(config: JobConfig, device: torch.device) -> Roles:
     """Actor (+ critic, + reference) with their starting weights from `config.init`."""
     precision, temperature = config.runtime.precision, config.rollout.sampling.temperature
     policy = build_gpt_model(config.model, config.parallel, precision, "lm", device)
     load_initial_weights(policy, config.init, config.model)
     reference = None
-    if needs_reference(config):
+    if config.algorithm.needs_reference:
         frozen = build_gpt_model(config.model, config.parallel, precision, "lm", device)
         with torch.no_grad():
             for copy, original in zip(frozen.parameters(), policy.parameters(), strict=True):
@@ -61,7 +50,7 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
                   config.model.vocab_size, config.actor.micro_batch_size, config.algorithm,
                   temperature, config.rollout.importance_cap)
     critic = None
-    if needs_critic(config):
+    if config.algorithm.needs_critic:
         value_model = build_gpt_model(config.model, config.parallel, precision, "scalar", device)
         load_initial_weights(value_model, critic_init(config), config.model, head="scalar")
         critic = Critic(make_trainable(value_model, config.critic.optimizer, precision),

@@ -8,6 +8,9 @@ prompt a row answers (whole groups stay on one rank, as GRPO-style estimators ne
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from mcore_rl.config.rl import RolloutConfig
@@ -54,3 +57,51 @@ def mini_batches(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, t
     size = rows // count
     return [{name: tensor[start:start + size] for name, tensor in batch.items()}
             for start in range(0, rows, size)]
+
+
+@dataclass
+class Rollout:
+    """One generate-and-score round on this rank: prompts, completions and their rewards."""
+
+    records: list
+    """The prompt records, in the order the engine saw them."""
+
+    token_ids: list[list[int]]
+    """Their prompt tokens."""
+
+    generation: Generation
+    """The engine's completions (`prompt_index` into `records`)."""
+
+    results: list
+    """One RewardResult per completion."""
+
+    @property
+    def scores(self) -> list[float]:
+        return [result.score for result in self.results]
+
+
+def varied_groups(rollout: Rollout) -> list[int]:
+    """Prompts whose responses did not all score the same: the only groups that carry a GRPO
+    learning signal (DAPO's dynamic sampling keeps these)."""
+    scores: dict[int, set] = {}
+    for completion, result in zip(rollout.generation.completions, rollout.results):
+        scores.setdefault(completion.prompt_index, set()).add(result.score)
+    return sorted(prompt for prompt, values in scores.items() if len(values) > 1)
+
+
+def select_groups(rollouts: list[Rollout], kept: list[list[int]]) -> Rollout:
+    """One rollout made of the kept prompts (and all their completions) of several rounds."""
+    records, token_ids, prompts, completions, results = [], [], [], [], []
+    for rollout, prompt_indices in zip(rollouts, kept):
+        new_index = {old: len(records) + i for i, old in enumerate(prompt_indices)}
+        records += [rollout.records[i] for i in prompt_indices]
+        token_ids += [rollout.token_ids[i] for i in prompt_indices]
+        prompts += [rollout.generation.prompts[i] for i in prompt_indices]
+        for completion, result in zip(rollout.generation.completions, rollout.results):
+            if completion.prompt_index in new_index:
+                completions.append(dataclasses.replace(
+                    completion, prompt_index=new_index[completion.prompt_index]))
+                results.append(result)
+    metrics = {name: sum(r.generation.metrics.get(name, 0) for r in rollouts)
+               for name in ("prompts", "truncated_prompts", "generated_tokens", "seconds")}
+    return Rollout(records, token_ids, Generation(completions, prompts, metrics), results)

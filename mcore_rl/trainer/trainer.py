@@ -34,7 +34,7 @@ from mcore_rl.runtime.launch_env import read_launch_env
 from .api import with_actor_model
 from .build import build_engine, build_roles
 from .data import TrainingData, load_training_data
-from .experience import make_experience, mini_batches
+from .experience import Rollout, make_experience, mini_batches, select_groups, varied_groups
 from .metrics import MetricsLogger, PhaseTimer, SumsAndCounts, peak_memory_metrics
 
 logger = logging.getLogger("mcore_rl.trainer")
@@ -107,28 +107,81 @@ class Trainer:
         """Generate, score and evaluate one batch: this rank's share of `prompts` (a global list
         of texts or PromptRecords, identical on every rank) or the sampler's next batch."""
         started, timer, stats = time.perf_counter(), PhaseTimer(), SumsAndCounts()
-        records, token_ids = self.data.next_batch() if prompts is None \
-            else self.data.encode_global(prompts)
         with timer("reshard"):
             self._sync_weights()
-        with timer("generate"):
-            self.engine.wake()
-            generation = self.engine.generate(token_ids, self._sampling(), self.prompt_config)
-            self.engine.sleep()
-        with timer("reward"):
-            generation, results = self._score(generation, records)
-        batch = make_experience(generation, [r.score for r in results], self.config.rollout,
+        if prompts is not None:
+            rollout = self._rollout(*self.data.encode_global(prompts), timer)
+        elif self.config.rollout.dynamic_sampling:
+            rollout = self._rollout_varied_groups(timer, stats)
+        else:
+            rollout = self._rollout(*self.data.next_batch(), timer)
+        batch = make_experience(rollout.generation, rollout.scores, self.config.rollout,
                                 self.data.pad_id)
         if self.config.algorithm.estimator == "remax":
             with timer("generate_baseline"):
-                batch["reward_baselines"] = self._greedy_scores(records, token_ids)[
-                    batch["group_ids"]]
+                batch["reward_baselines"] = self._greedy_scores(rollout)[batch["group_ids"]]
         with timer("logprobs"):
             self._evaluate_batch(batch)
         with timer("advantages"):
             self._advantages(batch, stats)
-        _rollout_statistics(batch, results, generation.metrics, stats)
+        _rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats)
         return Experience(batch, stats, timer, started)
+
+    def _rollout(self, records: list, token_ids: list, timer: PhaseTimer,
+                 round_index: int = 0) -> Rollout:
+        """Generate (engine awake only meanwhile) and score one round of prompts."""
+        with timer("generate"):
+            self.engine.wake()
+            generation = self.engine.generate(token_ids, self._sampling(round_index),
+                                              self.prompt_config)
+            self.engine.sleep()
+        with timer("reward"):
+            generation, results = self._score(generation, records)
+        return Rollout(records, token_ids, generation, results)
+
+    def _rollout_varied_groups(self, timer: PhaseTimer, stats: SumsAndCounts) -> Rollout:
+        """DAPO's dynamic sampling: keep only groups whose rewards differ, generating more
+        rounds until every data-parallel rank has a full batch of them (or rollout.
+        max_sampling_rounds is reached; then every rank trains on as many as the poorest has,
+        cut to whole micro-batches, falling back to the unfiltered first round when none)."""
+        wanted = self.config.rollout.prompts_per_step // self.data.dp_size
+        rounds, kept = [], []
+        for round_index in range(self.config.rollout.max_sampling_rounds):
+            rounds.append(self._rollout(*self.data.next_batch(), timer, round_index))
+            kept.append(varied_groups(rounds[-1]))
+            fewest = self._fewest_over_data_parallel(sum(map(len, kept)))
+            if fewest >= wanted:
+                break
+        usable = min(wanted, fewest) // self._group_unit() * self._group_unit()
+        stats.add("rollout/sampling_rounds", torch.tensor([float(len(rounds))]))
+        stats.add("rollout/varied_group_fraction", torch.tensor(
+            [sum(map(len, kept)) / (len(rounds) * wanted)]))
+        if usable == 0:
+            print0("dynamic sampling: no rank found enough groups with varied rewards; "
+                   "training on the unfiltered first round")
+            return rounds[0]
+        trimmed, remaining = [], usable
+        for prompt_indices in kept:
+            trimmed.append(prompt_indices[:remaining])
+            remaining -= len(trimmed[-1])
+        return select_groups(rounds, trimmed)
+
+    def _fewest_over_data_parallel(self, count: int) -> int:
+        holder = torch.tensor([count], dtype=torch.int64,
+                              device=self.runtime.device if self.runtime.backend == "nccl"
+                              else torch.device("cpu"))
+        dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=self.dp_group)
+        return int(holder.item())
+
+    def _group_unit(self) -> int:
+        """Smallest number of prompts whose responses cut into the configured mini- and
+        micro-batches."""
+        n = self.config.rollout.sampling.n
+        micro_batch = self.config.actor.micro_batch_size
+        if self.roles.critic is not None:
+            micro_batch = math.lcm(micro_batch, self.config.critic.micro_batch_size)
+        rows_unit = self.config.trainer.mini_batches * micro_batch
+        return rows_unit // math.gcd(rows_unit, n)
 
     def update_policy(self, experience: Experience) -> dict:
         """PPO epochs over mini-batches for the critic, then the actor; returns the step's
@@ -203,20 +256,21 @@ class Trainer:
         return stats.reduce(self.dp_group)
 
     # -- pieces of the step ------------------------------------------------------------------
-    def _sampling(self):
-        """Training sampling with the stop tokens and a seed fixed by the step."""
-        return dataclasses.replace(self.config.rollout.sampling,
-                                   stop_token_ids=self.data.stop_token_ids,
-                                   seed=self.config.runtime.seed * 100_003 + self.step)
+    def _sampling(self, round_index: int = 0):
+        """Training sampling with the stop tokens and a seed fixed by the step (and the round
+        of dynamic sampling), so a resumed run draws what an uninterrupted one would."""
+        return dataclasses.replace(
+            self.config.rollout.sampling, stop_token_ids=self.data.stop_token_ids,
+            seed=(self.config.runtime.seed * 100_003 + self.step) * 101 + round_index)
 
-    def _greedy_scores(self, records: list, token_ids: list) -> torch.Tensor:
+    def _greedy_scores(self, rollout: Rollout) -> torch.Tensor:
         """Score of the greedy response to each prompt (ReMax's baseline)."""
         sampling = dataclasses.replace(self.config.rollout.sampling, n=1, temperature=0.0,
                                        stop_token_ids=self.data.stop_token_ids)
         self.engine.wake()
-        generation = self.engine.generate(token_ids, sampling, self.prompt_config)
+        generation = self.engine.generate(rollout.token_ids, sampling, self.prompt_config)
         self.engine.sleep()
-        _, results = self._score(generation, records)
+        _, results = self._score(generation, rollout.records)
         return torch.tensor([result.score for result in results], dtype=torch.float32)
 
     def _sync_weights(self) -> None:
