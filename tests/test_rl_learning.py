@@ -2,9 +2,10 @@
 GRPO and with PPO + GAE, through the vLLM engine (weights pushed by the resharder every step),
 at world 1 and at TP2 x PP2 in a world of 4.
 
-Held-out reward is the greedy (temperature 0) score on 64 validation prompts the model never
+A third run trains one step off-policy (async_rollout, with the truncated importance weight) at
+world 1. Held-out reward is the greedy (temperature 0) score on 64 validation prompts the model never
 trains on; it starts near 0 (a random model rarely emits the digit). Seeds are fixed; the
-thresholds are about half of what the runs reach (GRPO 0.7-0.77, PPO 0.36 at world 1), so they
+thresholds are about half of what the runs reach (GRPO 0.7-0.77, PPO 0.36-0.42, async GRPO 0.61), so they
 catch a broken update without depending on a lucky seed.
 """
 
@@ -23,6 +24,8 @@ LAYOUTS = {"world1": (1, []),
            "tp2pp2": (4, ["parallel.tensor_model_parallel_size=2",
                           "parallel.pipeline_model_parallel_size=2", "rollout.rollout_tp=2"])}
 ALGORITHMS = {"grpo": (["algorithm.estimator=grpo"], 20, 0.35),
+              "grpo_async": (["algorithm.estimator=grpo", "rollout.async_rollout=true",
+                              "rollout.importance_cap=2.0"], 20, 0.3),
               "ppo": (["algorithm.estimator=gae", "algorithm.lam=0.95",
                        "critic.micro_batch_size=16", "critic.optimizer.lr=3e-3"], 30, 0.2)}
 
@@ -45,8 +48,11 @@ def run_training(tmp_path, tokenizer_dir, layout, algorithm, steps):
     return torch.load(tmp_path / "result.pt")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+CASES = [(layout, algorithm) for layout in LAYOUTS for algorithm in ALGORITHMS
+         if not (algorithm == "grpo_async" and layout != "world1")]
+
+
+@pytest.mark.parametrize("layout,algorithm", CASES)
 def test_held_out_reward_rises(tmp_path, tokenizer_dir, layout, algorithm):
     _, steps, margin = ALGORITHMS[algorithm]
     result = run_training(tmp_path, tokenizer_dir, layout, algorithm, steps)
@@ -61,8 +67,9 @@ def test_held_out_reward_rises(tmp_path, tokenizer_dir, layout, algorithm):
         assert metrics["training/update_skipped"] == 0
         assert all(math.isfinite(metrics[name]) for name in
                    ("actor/loss", "actor/grad_norm", "reward/mean", "actor/entropy"))
-        # fp32 on both sides: the engine sampled from the policy the trainer scores.
-        assert metrics["rollout/logprob_abs_diff_max"] < 1e-3
+        if algorithm != "grpo_async":
+            # fp32 on both sides: the engine sampled from the policy the trainer scores.
+            assert metrics["rollout/logprob_abs_diff_max"] < 1e-3
         assert 0 <= metrics["reward/mean"] <= 1 and metrics["response/length_max"] <= 4
     if algorithm == "ppo":
         assert all(math.isfinite(m["critic/loss"]) for m in history)

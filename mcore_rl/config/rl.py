@@ -78,6 +78,12 @@ class RolloutConfig:
     overlong_buffer: int = 16
     """Tokens before max_new_tokens where the soft penalty ramps from 0 to -1."""
 
+    async_rollout: bool = False
+    """One-step off-policy: each step trains on the batch generated during the previous step
+    and generates the next one before updating, so generation never waits for the update (on
+    colocated devices the two still run one after the other; disaggregated placement would
+    overlap them). Pair it with importance_cap."""
+
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop prompts whose responses all scored the same (no GRPO
     signal) and generate further rounds from the dataset until the batch is full again."""
@@ -106,6 +112,9 @@ class RolloutConfig:
                 self.sampling.max_new_tokens:
             errors.append(f"rollout.overlong_buffer={self.overlong_buffer} must be in "
                           f"(0, sampling.max_new_tokens={self.sampling.max_new_tokens}]")
+        if self.async_rollout and self.dynamic_sampling:
+            errors.append("rollout.async_rollout and rollout.dynamic_sampling cannot be combined "
+                          "yet")
         if self.max_sampling_rounds < 1:
             errors.append(f"rollout.max_sampling_rounds={self.max_sampling_rounds} must be >= 1")
         if self.importance_cap < 0:

@@ -97,6 +97,8 @@ class Trainer:
         self.prompt_config = PromptConfig(max_prompt_tokens=config.data.max_prompt_tokens)
         self.step = 0
         self.bad_steps = 0
+        self.pending_rollout: Rollout | None = None
+        """With async_rollout: the batch generated ahead for the next step (this rank's)."""
         self.logger = MetricsLogger(config.runtime.output_dir, config.trainer.tensorboard)
         self.checkpoint_dir = os.path.join(config.runtime.output_dir, "checkpoints")
         if config.trainer.resume:
@@ -111,6 +113,8 @@ class Trainer:
             self._sync_weights()
         if prompts is not None:
             rollout = self._rollout(*self.data.encode_global(prompts), timer)
+        elif self.config.rollout.async_rollout:
+            rollout = self._rollout_one_step_ahead(timer)
         elif self.config.rollout.dynamic_sampling:
             rollout = self._rollout_varied_groups(timer, stats)
         else:
@@ -138,6 +142,16 @@ class Trainer:
         with timer("reward"):
             generation, results = self._score(generation, records)
         return Rollout(records, token_ids, generation, results)
+
+    def _rollout_one_step_ahead(self, timer: PhaseTimer) -> Rollout:
+        """One-step off-policy rollout: train on the batch generated during the previous step
+        (by the policy before that step's update) and generate the next one now. The truncated
+        importance weight (rollout.importance_cap) corrects for the lag."""
+        if self.pending_rollout is None:
+            self.pending_rollout = self._rollout(*self.data.next_batch(), timer)
+        current = self.pending_rollout
+        self.pending_rollout = self._rollout(*self.data.next_batch(), timer, round_index=1)
+        return current
 
     def _rollout_varied_groups(self, timer: PhaseTimer, stats: SumsAndCounts) -> Rollout:
         """DAPO's dynamic sampling: keep only groups whose rewards differ, generating more
