@@ -7,10 +7,14 @@ an unloadable tokenizer) is found here, at start-up, before any model is built.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from mcore_rl.config import ConfigError, JobConfig
-from mcore_rl.data import PromptRecord, PromptSampler, encode_prompts, load_records
+from mcore_rl.data import (PromptRecord, PromptSampler, encode_prompts, load_records,
+                           write_toy_tokenizer)
 from mcore_rl.rewards import RuleRewards
 from mcore_rl.roles import RuleReward
 from mcore_rl.runtime import print0
@@ -90,7 +94,13 @@ class TrainingData:
 
 
 def load_tokenizer(config: JobConfig):
+    """data.tokenizer, else the initial HF folder's; the toy task alone brings its own."""
     path = config.data.tokenizer or config.init.hf_path
+    if not path and _only_toy_prompts(config):
+        path = os.path.join(config.runtime.output_dir, "toy_tokenizer")
+        if dist.get_rank() == 0:
+            write_toy_tokenizer(path)
+        dist.barrier()
     if not path:
         raise ConfigError("data.tokenizer is not set and there is no init.hf_path to take the "
                           "tokenizer from")
@@ -100,6 +110,12 @@ def load_tokenizer(config: JobConfig):
     except (OSError, ValueError) as error:
         raise ConfigError(f"data.tokenizer: cannot load a tokenizer from {path}: {error}") \
             from error
+
+
+def _only_toy_prompts(config: JobConfig) -> bool:
+    data = config.data
+    return bool(data.toy.size) and not (data.train_files or data.val_files
+                                        or data.reasoning_gym.tasks)
 
 
 def _encoded(config: JobConfig, split: str, tokenizer):

@@ -358,7 +358,8 @@ class Trainer:
         state = {"sampler": self.data.sampler.state_dict(),
                  "kl_controller": self.kl_controller.state_dict(), "bad_steps": self.bad_steps}
         return save_training_state(self.checkpoint_dir, self.step, self._trained_models(), state,
-                                   to_yaml(self.config), self.config.trainer.keep_last)
+                                   to_yaml(self.config), self.config.trainer.keep_last,
+                                   rank_state={"pending_rollout": self.pending_rollout})
 
     def _resume(self) -> None:
         from mcore_rl.checkpoint.training_state import load_latest_training_state
@@ -370,6 +371,7 @@ class Trainer:
         self.data.sampler.load_state_dict(state["sampler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.bad_steps = state["bad_steps"]
+        self.pending_rollout = state["rank_state"]["pending_rollout"]
         print0(f"resumed from step {self.step} ({self.checkpoint_dir})")
 
     def close(self) -> None:

@@ -1,0 +1,452 @@
+"""Save and resume the complete training state of a job, atomically, so that a killed run resumes
+exactly where its newest checkpoint left it (bitwise on CPU).
+
+A step depends on more than the weights: on the Adam moments and step counters, the fp32 master
+weights of the (distributed) optimizer, the LR schedule, every random generator of every rank,
+and the trainer's own state (sampler position, KL controller, ...). All of it goes into one
+directory per saved step:
+
+    <root>/
+      step_00000002/               a complete checkpoint
+        actor/                     Megatron-Core distributed checkpoint (torch_dist) of one role:
+        critic/                    {"model", "optimizer", "scheduler"}
+        rng/rank_00000.pt ...      each rank's RNG states (Python, NumPy, torch CPU and CUDA,
+                                   Megatron's model-parallel RNG tracker) and its own trainer
+                                   state (e.g. a rollout generated ahead for the next step)
+        trainer_state.pt           the trainer's `state` dict (identical on every rank)
+        config.yaml                the job's configuration as the trainer passed it
+        complete.json              written last: step, roles, which roles have optimizer state,
+                                   the layout that saved it
+      step_00000003.incomplete/    an interrupted save: ignored, removed by the next save
+
+Atomicity: everything is written into `step_<n>.incomplete/`; after a barrier (every rank has
+written its files, each fsynced) rank 0 writes `complete.json` and renames the directory, so a
+directory named `step_<n>` with its marker exists only when complete. A checkpoint beyond
+`keep_last` is renamed to `step_<n>.deleting` before it is deleted, so a crash mid-deletion
+never leaves a partial checkpoint under a checkpoint's name.
+
+Weights and optimizer state use Megatron's own sharded state dicts, as Megatron-LM does: the
+(DDP-unwrapped) model's `sharded_state_dict()` and `optimizer.sharded_state_dict(model_sharded
+_state_dict)`, the distributed optimizer in Megatron-LM's default `dp_reshardable` format (each
+DP rank writes its own buffer shards, no gather). Megatron's keys carry the vocabulary padded for
+the saving TP and the RNG states are per rank, so a resume must use the layout that saved
+(checked: world size, TP, PP). For layout-independent weights (export, another layout) use
+`weights_io`. Three Megatron-Core 0.16 code paths need help here (see the functions below):
+a scalar head in LanguageModule.sharded_state_dict, and loading the DistributedOptimizer
+without Apex/Transformer Engine (torch.optim.Adam): a fresh optimizer has no state to describe,
+and the per-parameter Adam step is not restored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..models.heads import ScalarHead
+
+if TYPE_CHECKING:
+    from ..training.optimizer import TrainableModel
+
+MARKER_FILE = "complete.json"
+TRAINER_STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "config.yaml"
+RNG_DIR = "rng"
+FORMAT_VERSION = 1
+INCOMPLETE_SUFFIX = ".incomplete"
+DELETING_SUFFIX = ".deleting"
+_NAME = re.compile(r"^step_(\d{8,})$")
+_LEFTOVER = re.compile(r"^step_\d{8,}(\.incomplete|\.deleting)$")
+
+# Megatron-LM's `_build_sharded_state_dict_metadata` for Megatron-Core >= 0.14.
+_SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable",
+                      "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of the checkpoint saved after `step`."""
+    return f"step_{step:08d}"
+
+
+def _complete_steps(root: str) -> list[int]:
+    """Steps of the complete checkpoints under `root`, ascending."""
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        match = _NAME.match(name)
+        if match and os.path.isfile(os.path.join(root, name, MARKER_FILE)):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """Path of the newest complete checkpoint under `root` (None when there is none)."""
+    steps = _complete_steps(root)
+    return os.path.join(os.path.abspath(root), checkpoint_name(steps[-1])) if steps else None
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _layout() -> dict:
+    """The layout a resume must match: world size, TP and PP (DP follows)."""
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": _world_size(),
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size()}
+
+
+def _sharding_metadata() -> dict:
+    """A fresh metadata dict (Megatron adds its DP group to it in place)."""
+    return dict(_SHARDING_METADATA)
+
+
+def _copy_rng_state(state):
+    """A snapshot of one tracker state: a CPU ByteTensor, or a Generator's state when the
+    tracker keeps Generators (CUDA-graph-safe RNG)."""
+    return state.get_state() if isinstance(state, torch.Generator) else state.clone()
+
+
+def rng_states() -> dict:
+    """Every generator this rank draws from. On the CPU the tracker's states are CPU generator
+    states (runtime/cpu_compat.py maps Megatron's CUDA RNG calls to the CPU generator)."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    states = {"python": random.getstate(), "numpy": np.random.get_state(),
+              "torch_cpu": torch.get_rng_state(),
+              "megatron_tracker": {name: _copy_rng_state(state)
+                                   for name, state in tracker.items()}}
+    if torch.cuda.is_available():
+        states["torch_cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    """Inverse of `rng_states`."""
+    from megatron.core import tensor_parallel
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch_cpu"])
+    if torch.cuda.is_available() and "torch_cuda" in states:
+        torch.cuda.set_rng_state(states["torch_cuda"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    current = tracker.get_states()
+    restored = {}
+    for name, saved in states["megatron_tracker"].items():
+        if isinstance(current.get(name), torch.Generator):
+            current[name].set_state(saved)
+            restored[name] = current[name]
+        else:
+            restored[name] = saved.clone()
+    tracker.set_states(restored)
+
+
+def _rng_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, RNG_DIR, f"rank_{rank:05d}.pt")
+
+
+def _model_sharded_state_dict(gpt) -> dict:
+    """Megatron's sharded state dict of a (DDP-unwrapped) GPTModel.
+
+    With a scalar head, LanguageModule.sharded_state_dict fails: it marks the LM head's
+    `output_layer.weight` as padded (KeyError), and a scalar head has none. Its only other work
+    (tying embeddings, dropping the LM head's extra state) does not apply to a scalar head, so
+    for one the generic MegatronModule implementation gives the same entries."""
+    from megatron.core.transformer.module import MegatronModule
+
+    if isinstance(getattr(gpt, "output_layer", None), ScalarHead):
+        return MegatronModule.sharded_state_dict(gpt, metadata=_sharding_metadata())
+    return gpt.sharded_state_dict(metadata=_sharding_metadata())
+
+
+def _optimizers(optimizer) -> list:
+    """The Megatron optimizers inside a (possibly chained) optimizer."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _allocate_state_for_loading(optimizer) -> None:
+    """Give a fresh DistributedOptimizer zeroed Adam state at step 0 before loading into it.
+
+    Without Apex or Transformer Engine, Megatron's Adam is torch.optim.Adam, whose state (and
+    its per-parameter `step`) exists only after the first step; DistributedOptimizer.state_dict(),
+    which sharded_state_dict(is_loading=True) calls first, then fails on `assert len(steps) ==
+    1`. Megatron's own init_state_fn allocates the moments; the step is what torch would
+    create. Everything is overwritten by the load."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for inner in _optimizers(optimizer):
+        if not isinstance(inner, distrib_optimizer.DistributedOptimizer):
+            continue
+        if len(inner.optimizer.state) or inner.init_state_fn is None:
+            continue
+        inner.init_state_fn(inner.optimizer, inner.config)
+        for state in inner.optimizer.state.values():
+            state["step"] = torch.zeros((), dtype=torch.float32)
+
+
+def _restore_steps(optimizer, loaded: dict) -> None:
+    """Set every parameter's Adam `step` of a DistributedOptimizer to the checkpoint's.
+
+    Without Apex or Transformer Engine (torch.optim.Adam keeps a `step` tensor per parameter),
+    Megatron's DistributedOptimizer loses the step on load: load_state_dict puts the
+    checkpoint's step into one tensor shared by every parameter, then the dp_reshardable
+    parameter-state loader copies the *pre-load* step (kept as a LocalNonpersistentObject) into
+    it. A shared tensor would also be incremented once per parameter by Adam. So each
+    parameter gets its own tensor holding the step saved in the param groups."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    inners = _optimizers(optimizer)
+    states = [loaded] if len(inners) == 1 else [loaded[index] for index in range(len(inners))]
+    for inner, state in zip(inners, states):
+        if not isinstance(inner, distrib_optimizer.DistributedOptimizer):
+            continue
+        steps = {group["step"] for group in state["optimizer"]["param_groups"]}
+        if len(steps) != 1:
+            raise ValueError(f"optimizer param groups hold different Adam steps {sorted(steps)}")
+        step = steps.pop()
+        for param_state in inner.optimizer.state.values():
+            param_state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def _has_state(optimizer) -> bool:
+    """Whether this rank's optimizer has Adam state (it appears with the first step)."""
+    return any(len(getattr(inner.optimizer, "state", {})) for inner in _optimizers(optimizer))
+
+
+def _role_state_dict(model, is_loading: bool, with_optimizer: bool) -> dict:
+    """{"model", "optimizer", "scheduler"} of one trained role, as ShardedTensors/objects.
+    Without `with_optimizer` (no step taken yet: a fresh optimizer is the right state) the
+    optimizer is left out."""
+    if len(model.chunks) != 1:
+        raise NotImplementedError("training-state checkpoints support one model chunk per rank "
+                                  f"(no virtual pipeline stages), got {len(model.chunks)}")
+    model_state = _model_sharded_state_dict(model.chunks[0].module)
+    state = {"model": model_state, "scheduler": model.scheduler.state_dict()}
+    if with_optimizer:
+        state["optimizer"] = model.optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=_sharding_metadata())
+    return state
+
+
+def _save_role(directory: str, model, with_optimizer: bool) -> None:
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(_role_state_dict(model, False, with_optimizer), directory)
+
+
+@torch.no_grad()
+def _load_role(directory: str, model, with_optimizer: bool) -> None:
+    """Load one role in place. Under no_grad: with fp32 parameters the distributed optimizer's
+    main parameters are views of the model's, and Megatron's dp_reshardable loader copies into
+    them without disabling autograd itself."""
+    from megatron.core import dist_checkpointing
+
+    if with_optimizer:
+        _allocate_state_for_loading(model.optimizer)
+    loaded = dist_checkpointing.load(_role_state_dict(model, True, with_optimizer), directory)
+    model.chunks[0].module.load_state_dict(loaded["model"], strict=True)
+    if with_optimizer:
+        model.optimizer.load_state_dict(loaded["optimizer"])
+        _restore_steps(model.optimizer, loaded["optimizer"])
+    model.scheduler.load_state_dict(loaded["scheduler"])
+
+
+def _write_durably(path: str, write) -> None:
+    """write(handle) into `path`, flushed to disk before returning."""
+    with open(path, "wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_directory(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _remove_leftovers(root: str) -> None:
+    """Delete interrupted saves and deletions (`step_*.incomplete`, `step_*.deleting`)."""
+    for name in os.listdir(root):
+        if _LEFTOVER.match(name):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _delete_checkpoint(path: str) -> None:
+    """Rename away from the checkpoint name first (atomic), then delete."""
+    doomed = path + DELETING_SUFFIX
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def _prune(root: str, keep_last: int) -> None:
+    steps = _complete_steps(root)
+    for step in steps[:max(len(steps) - keep_last, 0)]:
+        _delete_checkpoint(os.path.join(root, checkpoint_name(step)))
+
+
+def _publish(staging: str, final: str, marker: dict) -> None:
+    """Rank 0, after every rank wrote its files: marker last, then the rename."""
+    _write_durably(os.path.join(staging, MARKER_FILE),
+                   lambda handle: handle.write(json.dumps(marker, indent=2).encode()))
+    if os.path.exists(final):
+        os.replace(final, final + DELETING_SUFFIX)
+        os.replace(staging, final)
+        shutil.rmtree(final + DELETING_SUFFIX)
+    else:
+        os.replace(staging, final)
+    _fsync_directory(os.path.dirname(final))
+
+
+def _raise_together(problems: list[str]) -> None:
+    """Raise ValueError on every rank if any rank found a problem (each distinct message once:
+    they name the checkpoint and the rule, and are usually the same on every rank)."""
+    everyone = [problems]
+    if dist.is_initialized():
+        everyone = [None] * _world_size()
+        dist.all_gather_object(everyone, list(problems))
+    distinct = list(dict.fromkeys(problem for theirs in everyone for problem in theirs))
+    if distinct:
+        raise ValueError("; ".join(distinct))
+
+
+def _agree_on_call(step: int, roles: list[str], keep_last: int, models: dict) -> dict:
+    """Check that every rank saves the same step and roles; returns {role: whether its
+    optimizer has state on any rank}."""
+    call = (step, roles, keep_last)
+    stepped = [_has_state(models[role].optimizer) for role in roles]
+    everyone = [(call, stepped)]
+    if dist.is_initialized():
+        everyone = [None] * _world_size()
+        dist.all_gather_object(everyone, (call, stepped))
+    problems = []
+    if keep_last < 1:
+        problems.append(f"save_training_state: keep_last={keep_last} must be >= 1")
+    calls = [theirs for theirs, _ in everyone]
+    if any(theirs != call for theirs in calls):
+        problems.append(f"save_training_state: (step, roles, keep_last) differ between ranks: "
+                        f"{calls}")
+    _raise_together(problems)
+    return {role: any(flags[index] for _, flags in everyone) for index, role in enumerate(roles)}
+
+
+def save_training_state(root: str, step: int, models: dict[str, TrainableModel], state: dict,
+                        config_yaml: str, keep_last: int, rank_state: dict | None = None) -> str:
+    """Collective: write the checkpoint of `step` under `root` and return its path.
+
+    `models` maps role names ("actor", "critic") to TrainableModels; `state` is the trainer's
+    picklable state, identical on every rank (rank 0's copy is written); `rank_state` is this
+    rank's own picklable state (saved per rank). Each rank's RNG states
+    are captured during the call, so call it where a resumed run should continue: after the
+    step's updates, before anything of the next step draws random numbers. The checkpoint
+    appears only when complete; afterwards only the newest `keep_last` (>= 1) complete
+    checkpoints are kept, and interrupted saves under `root` are removed.
+    """
+    root = os.path.abspath(root)
+    roles = sorted(models)
+    with_optimizer = _agree_on_call(step, roles, keep_last, models)
+    final = os.path.join(root, checkpoint_name(step))
+    staging = final + INCOMPLETE_SUFFIX
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        _remove_leftovers(root)
+        for folder in (*roles, RNG_DIR):
+            os.makedirs(os.path.join(staging, folder))
+    _barrier()
+    for role in roles:
+        _save_role(os.path.join(staging, role), models[role], with_optimizer[role])
+    _write_durably(_rng_path(staging, _rank()),
+                   lambda handle: torch.save({"rng": rng_states(), "rank_state": rank_state},
+                                             handle))
+    if _rank() == 0:
+        _write_durably(os.path.join(staging, TRAINER_STATE_FILE),
+                       lambda handle: torch.save(state, handle))
+        _write_durably(os.path.join(staging, CONFIG_FILE),
+                       lambda handle: handle.write(config_yaml.encode()))
+    _barrier()
+    if _rank() == 0:
+        _publish(staging, final, {"format_version": FORMAT_VERSION, "step": step,
+                                  "roles": roles, "optimizer_state": with_optimizer,
+                                  "layout": _layout()})
+        _prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def read_marker(path: str) -> dict:
+    """The `complete.json` of a checkpoint directory."""
+    with open(os.path.join(path, MARKER_FILE)) as handle:
+        marker = json.load(handle)
+    if marker.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}/{MARKER_FILE}: format_version {marker.get('format_version')} "
+                         f"is not {FORMAT_VERSION}")
+    return marker
+
+
+def compatibility_problems(path: str, marker: dict, roles: list[str], layout: dict) -> list[str]:
+    """Why the checkpoint at `path` cannot be loaded into these roles at this layout."""
+    name = os.path.basename(path)
+    problems = []
+    if marker["roles"] != roles:
+        problems.append(f"{name}: has roles {marker['roles']}, the trainer has {roles}")
+    if marker["layout"] != layout:
+        problems.append(f"{name}: saved by layout {marker['layout']}, this job runs {layout}; a "
+                        "training-state checkpoint resumes only in the layout that saved it")
+    return problems
+
+
+def _agreed_latest(root: str) -> str | None:
+    """Rank 0's choice of checkpoint, broadcast so that every rank loads the same one."""
+    choice = [latest_checkpoint(root) if _rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def load_latest_training_state(root: str, models: dict[str, TrainableModel]
+                               ) -> tuple[int, dict] | None:
+    """Collective: load the newest complete checkpoint under `root` into `models` (freshly
+    built, same roles and layout as when saved), restore this rank's RNG states and return
+    (step, trainer state with this rank's saved `rank_state` under "rank_state"); None when
+    `root` holds no complete checkpoint. The RNG states are
+    restored last, so call it after everything that seeds or draws at start-up (initialize,
+    building models and engines); training continues with step + 1."""
+    path = _agreed_latest(os.path.abspath(root))
+    if path is None:
+        return None
+    marker = read_marker(path)
+    _raise_together(compatibility_problems(path, marker, sorted(models), _layout()))
+    for role in sorted(models):
+        _load_role(os.path.join(path, role), models[role], marker["optimizer_state"][role])
+    state = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
+    per_rank = torch.load(_rng_path(path, _rank()), weights_only=False)
+    _barrier()
+    set_rng_states(per_rank["rng"])
+    return marker["step"], dict(state, rank_state=per_rank["rank_state"])

@@ -1,0 +1,133 @@
+"""Training-state checkpoints: a run killed with SIGKILL and resumed from its newest complete
+checkpoint continues bitwise like an uninterrupted run (actor with the distributed optimizer,
+critic with the plain one, DP2 and TP2 worlds of 2 CPU ranks); interrupted saves are ignored
+and only the newest `keep_last` checkpoints are kept."""
+
+import glob
+import json
+import os
+import signal
+
+import pytest
+import torch
+from torch.multiprocessing import ProcessExitedException
+
+from training_checkpoint_worker import KEEP_LAST, STEPS, run, trainer_state
+from world import run_world
+
+from mcore_rl.checkpoint.training_state import (MARKER_FILE, checkpoint_name,
+                                                compatibility_problems, latest_checkpoint,
+                                                save_training_state)
+
+
+def _records(out) -> list:
+    return [torch.load(os.path.join(out, f"rank_{rank}.pt"), weights_only=False)
+            for rank in range(2)]
+
+
+def _world(tp, root, out, resume=False, save_steps=(), kill_at=0, actor_from=1):
+    os.makedirs(out, exist_ok=True)
+    run_world(2, run, tp, str(root), str(out), resume, save_steps, kill_at, actor_from)
+    return _records(out)
+
+
+def _assert_bitwise(resumed: dict, reference: dict, first_step: int) -> None:
+    assert sorted(resumed["metrics"]) == list(range(first_step, STEPS + 1))
+    for step, metrics in resumed["metrics"].items():
+        assert metrics == reference["metrics"][step], step
+        assert torch.equal(resumed["draws"][step], reference["draws"][step]), step
+    for role, params in reference["params"].items():
+        assert resumed["params"][role].keys() == params.keys()
+        for name, tensor in params.items():
+            assert torch.equal(resumed["params"][role][name], tensor), (role, name)
+
+
+def _end_helpers(out) -> None:
+    """SIGKILL leaves the killed ranks' helper processes (the torch_dist writer's Manager)
+    orphaned; end them as a job scheduler would."""
+    for path in glob.glob(os.path.join(out, "helpers_rank_*.json")):
+        with open(path) as handle:
+            for pid in json.load(handle):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _marker(root, step) -> dict:
+    with open(os.path.join(root, checkpoint_name(step), MARKER_FILE)) as handle:
+        return json.load(handle)
+
+
+def test_killed_run_resumes_bitwise_at_dp2(tmp_path):
+    """DP2: the actor's distributed optimizer state is sharded over the two ranks. Rank 0 is
+    SIGKILLed in the save after step 2, once every rank has written its files; the resumed run
+    matches a run that never saved."""
+    reference = _world(1, tmp_path / "reference", tmp_path / "reference_out")  # saves nothing
+    root = tmp_path / "killed"
+    try:
+        with pytest.raises(ProcessExitedException, match="SIGKILL"):
+            _world(1, root, tmp_path / "killed_out", save_steps=(1, 2), kill_at=2)
+    finally:
+        _end_helpers(tmp_path / "killed_out")
+    assert sorted(os.listdir(root)) == [checkpoint_name(1), checkpoint_name(2) + ".incomplete"]
+    assert latest_checkpoint(str(root)) == str(root / checkpoint_name(1))
+
+    resumed = _world(1, root, tmp_path / "resumed_out", resume=True, save_steps=(2, 3))
+    for rank in range(2):
+        assert resumed[rank]["loaded"] == (
+            1, dict(trainer_state(1), rank_state={"rank": rank, "step": 1}))
+        assert resumed[rank]["role_error"] == (
+            f"{checkpoint_name(1)}: has roles ['actor', 'critic'], the trainer has ['actor']")
+        _assert_bitwise(resumed[rank], reference[rank], first_step=2)
+    # The interrupted save of step 2 is gone, step 1 fell out of keep_last=2.
+    assert sorted(os.listdir(root)) == [checkpoint_name(2), checkpoint_name(3)]
+    assert KEEP_LAST == 2
+    marker = _marker(root, 3)
+    assert marker["step"] == 3 and marker["roles"] == ["actor", "critic"]
+    assert marker["layout"] == {"world_size": 2, "tensor_model_parallel_size": 1,
+                                "pipeline_model_parallel_size": 1}
+    assert marker["optimizer_state"] == {"actor": True, "critic": True}
+
+
+def test_resumes_bitwise_at_tp2_during_critic_warmup(tmp_path):
+    """TP2: the checkpoint of step 1 holds the critic's (plain fp32) optimizer state, and none
+    for the actor, which starts training at step 2."""
+    root = tmp_path / "run"
+    reference = _world(2, root, tmp_path / "reference_out", save_steps=(1,), actor_from=2)
+    assert _marker(root, 1)["optimizer_state"] == {"actor": False, "critic": True}
+    resumed = _world(2, root, tmp_path / "resumed_out", resume=True, actor_from=2)
+    for rank in range(2):
+        assert resumed[rank]["loaded"] == (
+            1, dict(trainer_state(1), rank_state={"rank": rank, "step": 1}))
+        _assert_bitwise(resumed[rank], reference[rank], first_step=2)
+
+
+def test_latest_checkpoint_ignores_incomplete_and_unmarked(tmp_path):
+    assert latest_checkpoint(str(tmp_path / "missing")) is None
+    for step in (3, 5):
+        os.makedirs(tmp_path / checkpoint_name(step))
+        (tmp_path / checkpoint_name(step) / MARKER_FILE).write_text("{}")
+    os.makedirs(tmp_path / (checkpoint_name(9) + ".incomplete"))
+    os.makedirs(tmp_path / checkpoint_name(7))  # no marker: an unfinished publish or deletion
+    os.makedirs(tmp_path / "step_12")  # not a checkpoint name
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / checkpoint_name(5))
+    os.makedirs(tmp_path / checkpoint_name(123456789))
+    (tmp_path / checkpoint_name(123456789) / MARKER_FILE).write_text("{}")
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_123456789")
+
+
+def test_refusals_name_the_checkpoint_and_the_rule(tmp_path):
+    layout = {"world_size": 2, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
+    marker = {"roles": ["actor"], "layout": layout}
+    path = str(tmp_path / checkpoint_name(2))
+    assert compatibility_problems(path, marker, ["actor"], layout) == []
+    assert compatibility_problems(path, marker, ["actor", "critic"], layout) == [
+        "step_00000002: has roles ['actor'], the trainer has ['actor', 'critic']"]
+    other = dict(layout, world_size=4)
+    assert compatibility_problems(path, marker, ["actor"], other) == [
+        f"step_00000002: saved by layout {layout}, this job runs {other}; a training-state "
+        "checkpoint resumes only in the layout that saved it"]
+    with pytest.raises(ValueError, match="keep_last=0 must be >= 1"):
+        save_training_state(str(tmp_path), 2, {}, {}, "", keep_last=0)
+    assert not os.path.exists(path + ".incomplete")
