@@ -100,6 +100,9 @@ class Trainer:
         self.pending_rollout: Rollout | None = None
         """With async_rollout: the batch generated ahead for the next step (this rank's)."""
         self.logger = MetricsLogger(config.runtime.output_dir, config.trainer.tensorboard)
+        if dist.get_rank() == 0:
+            _write_atomically(os.path.join(config.runtime.output_dir, "config.yaml"),
+                              to_yaml(config))
         self.checkpoint_dir = os.path.join(config.runtime.output_dir, "checkpoints")
         if config.trainer.resume:
             self._resume()
@@ -380,6 +383,13 @@ class Trainer:
         self.logger.close()
         self.engine.close()
         shutdown()
+
+
+def _write_atomically(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as handle:
+        handle.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def is_bad_step(metrics: dict) -> bool:

