@@ -76,3 +76,25 @@ def nonfinite_update(out_path: str) -> None:
     torch.save({"skipped": skipped, "unchanged": unchanged, "scheduler_steps": scheduler_steps,
                 "taken": taken, "changed": changed}, out_path)
     shutdown()
+
+
+def reward_model_scores(out_path: str, model_path: str, tensor_parallel: int) -> None:
+    """Scores of hf_models.reference_batch by the reward model built from an HF classifier."""
+    from hf_models import reference_batch
+
+    from mcore_rl.config import JobConfig, ParallelConfig
+    from mcore_rl.config.reward import RewardConfig
+    from mcore_rl.conversion.sequence_classifier import open_sequence_classifier
+    from mcore_rl.runtime import initialize, shutdown
+    from mcore_rl.trainer.build import build_reward_model
+
+    model = open_sequence_classifier(model_path)[2]
+    config = JobConfig(model=model,
+                       parallel=ParallelConfig(tensor_model_parallel_size=tensor_parallel),
+                       reward=RewardConfig(model_path=model_path))
+    runtime = initialize(config)
+    ids, mask = reference_batch(model.vocab_size)
+    scores = build_reward_model(config, runtime.device).score(ids, mask)
+    if dist.get_rank() == 0:
+        torch.save(scores, out_path)
+    shutdown()

@@ -18,7 +18,13 @@ R1_FORMAT_PATTERN = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Rule rewards: functions by data_source, their sandbox, and the format reward."""
+    """Rule rewards: functions by data_source, their sandbox, and the format reward; or a
+    reward model instead."""
+
+    model_path: Optional[str] = None
+    """HF sequence-classification folder (e.g. LlamaForSequenceClassification, num_labels=1)
+    used as the reward model instead of rule functions: its score of prompt + response, read at
+    the last token. It must share the policy's tokenizer (same vocabulary)."""
 
     num_workers: int = 4
     """Worker processes (per rank) that run reward functions, each call with a timeout. 0 scores

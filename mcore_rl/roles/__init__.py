@@ -1,13 +1,15 @@
 """The RL roles as composed objects: each holds its own model and knows one job.
 
-The actor (trained policy), the critic (trained value model) and the reference (frozen policy)
-are separate objects over separate Megatron models, built from the same job config; the reward
-role turns generations into scores. No class switches behaviour on a role flag.
+The actor (trained policy), the critic (trained value model), the reference (frozen policy) and
+the reward model (frozen scalar head) are separate objects over separate Megatron models, built
+from the same job config; the rule reward turns generations into scores. No class switches
+behaviour on a role flag.
 """
 
 from .actor import Actor
 from .critic import Critic
 from .reference import Reference
 from .reward import RuleReward
+from .reward_model import RewardModel
 
-__all__ = ["Actor", "Critic", "Reference", "RuleReward"]
+__all__ = ["Actor", "Critic", "Reference", "RewardModel", "RuleReward"]

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config import InitConfig, JobConfig
+from mcore_rl.config import ConfigError, InitConfig, JobConfig
 from mcore_rl.conversion.architectures import ARCHITECTURES, Architecture, architecture_for
 from mcore_rl.models import DTYPES, build_gpt_model
 from mcore_rl.models.pretrained import load_initial_weights
 from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
-from mcore_rl.roles import Actor, Critic, Reference
+from mcore_rl.roles import Actor, Critic, Reference, RewardModel
 from mcore_rl.rollout import MegatronEngine, RolloutEngine
 from mcore_rl.training import make_trainable
 
@@ -31,6 +31,7 @@ class Roles:
     actor: Actor
     critic: Critic | None
     reference: Reference | None
+    reward_model: RewardModel | None
 
 
 def build_roles(config: JobConfig, device: torch.device) -> Roles:
@@ -55,7 +56,35 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
         load_initial_weights(value_model, critic_init(config), config.model, head="scalar")
         critic = Critic(make_trainable(value_model, config.critic.optimizer, precision),
                         config.critic.micro_batch_size, config.algorithm)
-    return Roles(actor, critic, reference)
+    reward_model = None
+    if config.reward.model_path:
+        reward_model = build_reward_model(config, device)
+    return Roles(actor, critic, reference, reward_model)
+
+
+def build_reward_model(config: JobConfig, device: torch.device) -> RewardModel:
+    """The frozen reward model from reward.model_path (an HF sequence classifier)."""
+    from mcore_rl.checkpoint import megatron_coordinates
+    from mcore_rl.conversion.sequence_classifier import (open_sequence_classifier,
+                                                         scalar_shards_from_hf)
+    from mcore_rl.models.weights import copy_into_stage
+
+    path = config.reward.model_path
+    try:
+        hf, arch, model = open_sequence_classifier(path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"reward.model_path: {error}") from error
+    problems = model.check(config.parallel.tensor_model_parallel_size,
+                           config.parallel.pipeline_model_parallel_size)
+    if model.vocab_size != config.model.vocab_size:
+        problems.append(f"its vocabulary ({model.vocab_size}) is not the policy's "
+                        f"({config.model.vocab_size}); the reward model must share the tokenizer")
+    if problems:
+        raise ConfigError(f"reward.model_path={path}: " + "; ".join(problems))
+    module = build_gpt_model(model, config.parallel, config.runtime.precision, "scalar", device)
+    with torch.no_grad():
+        copy_into_stage(module, scalar_shards_from_hf(hf, arch, model, megatron_coordinates()))
+    return RewardModel(module, config.actor.micro_batch_size)
 
 
 def critic_init(config: JobConfig) -> InitConfig:

@@ -44,7 +44,8 @@ class TrainingData:
     """The HF tokenizer that encoded the prompts and decodes responses."""
 
     reward: RuleReward | None
-    """The reward role (only on ranks that score: the first of each model-parallel group)."""
+    """The rule reward role (only on ranks that score: the first of each model-parallel group;
+    None everywhere when a reward model scores instead)."""
 
     dp_rank: int
     dp_size: int
@@ -138,7 +139,7 @@ def load_training_data(config: JobConfig, dp_rank: int, dp_size: int, reward_fn,
     sampler = PromptSampler(len(train.records), config.rollout.prompts_per_step, dp_rank,
                             dp_size, config.data.seed, config.data.shuffle)
     reward, problems = None, []
-    if is_scorer:
+    if is_scorer and not config.reward.model_path:
         try:
             rewards = RuleRewards(config.reward, reward_fn)
             reward = RuleReward(rewards, tokenizer)

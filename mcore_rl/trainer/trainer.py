@@ -28,6 +28,7 @@ from mcore_rl.algorithms.advantages import AdvantageInputs, compute_advantages
 from mcore_rl.algorithms.kl import KLController, apply_kl_penalty, kl_estimate
 from mcore_rl.config import JobConfig, to_yaml, validate_rl
 from mcore_rl.config.rollout import PromptConfig
+from mcore_rl.rewards import RewardResult
 from mcore_rl.runtime import initialize, print0, shutdown
 from mcore_rl.runtime.launch_env import read_launch_env
 
@@ -296,15 +297,21 @@ class Trainer:
                 self.roles.actor.parameters_for_sync()))
 
     def _score(self, generation, records):
-        """The model-parallel group's first rank scores its generation and hands both to the
-        rest of the group, so every stage and TP rank trains on the same rows."""
-        payload = [None]
-        if dist.get_rank() == self.mp_source:
+        """The model-parallel group's first rank scores its generation with the rule rewards
+        and hands both to the rest of the group, so every stage and TP rank trains on the same
+        rows; a reward model instead scores on every rank, after the hand-over."""
+        payload = [(generation, None)]
+        if dist.get_rank() == self.mp_source and self.data.reward is not None:
             payload = [(generation, self.data.reward.score(generation, records,
                                                            f"step{self.step}"))]
         if dist.get_world_size(self.mp_group) > 1:
             dist.broadcast_object_list(payload, src=self.mp_source, group=self.mp_group)
-        return payload[0]
+        generation, results = payload[0]
+        if self.roles.reward_model is not None:
+            rows = generation.response_tensors(self.data.pad_id)
+            scores = self.roles.reward_model.score(rows["input_ids"], rows["attention_mask"])
+            results = [RewardResult(float(score)) for score in scores.tolist()]
+        return generation, results
 
     def _evaluate_batch(self, batch: dict) -> None:
         """Old log-probs (actor), reference log-probs and old values (critic) of the batch."""

@@ -1,0 +1,50 @@
+"""The reward model role against transformers: a tiny random LlamaForSequenceClassification
+(num_labels=1) loaded into a Megatron scalar-head model at TP2 scores right-padded prompt +
+response rows exactly as transformers scores each row on its own (the last token's logit)."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from hf_models import CASES, SMALL, reference_batch
+from world import run_world
+
+
+def save_classifier(folder) -> transformers.PreTrainedModel:
+    _, _, extra = CASES["qwen2"]
+    config = transformers.Qwen2Config(**SMALL, **extra, num_labels=1, pad_token_id=0,
+                                      architectures=["Qwen2ForSequenceClassification"])
+    torch.manual_seed(3)
+    model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_((1.0 if "norm" in name else 0.0) + 0.15 * torch.randn_like(param))
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def test_reward_model_matches_transformers_at_tp2(tmp_path):
+    from rl_worker import reward_model_scores
+
+    hf_model = save_classifier(tmp_path / "rm")
+    run_world(2, reward_model_scores, str(tmp_path / "scores.pt"), str(tmp_path / "rm"), 2)
+    scores = torch.load(tmp_path / "scores.pt")
+    ids, mask = reference_batch(SMALL["vocab_size"])
+    with torch.no_grad():
+        expected = [hf_model(input_ids=row[:int(length)].unsqueeze(0)).logits[0, 0]
+                    for row, length in zip(ids, mask.sum(1))]
+    assert torch.allclose(scores, torch.stack(expected), atol=1e-4), (scores, expected)
+    assert torch.stack(expected).std() > 0.1  # the rows really score differently
+
+
+def test_reward_model_folder_is_checked(tmp_path):
+    from mcore_rl.conversion.sequence_classifier import open_sequence_classifier
+
+    save_classifier(tmp_path / "rm")
+    config = json.loads((tmp_path / "rm" / "config.json").read_text())
+    (tmp_path / "rm" / "config.json").write_text(json.dumps(
+        dict(config, architectures=["Qwen2ForCausalLM"])))
+    with pytest.raises(ValueError, match="is not a ...ForSequenceClassification"):
+        open_sequence_classifier(str(tmp_path / "rm"))
