@@ -152,9 +152,6 @@ class TrainerConfig:
     """Stop after this many consecutive steps with a non-finite loss or gradient norm (their
     updates are skipped; the last checkpoint stays intact)."""
 
-    export_hf: bool = False
-    """Also write the actor as an HF folder next to each checkpoint."""
-
     tensorboard: bool = True
     """Write metrics to output_dir/tensorboard (rank 0)."""
 
