@@ -16,7 +16,6 @@ generation and the scores to the group. Data-parallel ranks hold different promp
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import time
@@ -38,7 +37,6 @@ from .data import TrainingData, load_training_data
 from .experience import Rollout, make_experience, mini_batches, select_groups, varied_groups
 from .metrics import MetricsLogger, PhaseTimer, SumsAndCounts, peak_memory_metrics
 
-logger = logging.getLogger("mcore_rl.trainer")
 
 
 class TrainingDiverged(RuntimeError):
