@@ -38,7 +38,6 @@ from .experience import Rollout, make_experience, mini_batches, select_groups, v
 from .metrics import MetricsLogger, PhaseTimer, SumsAndCounts, peak_memory_metrics
 
 
-
 class TrainingDiverged(RuntimeError):
     """Too many consecutive steps with non-finite losses or gradients."""
 
