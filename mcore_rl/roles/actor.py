@@ -49,9 +49,9 @@ class Actor:
                             importance_cap=self.importance_cap)
         metrics = train_step(self.trainable, inputs, self.micro_batch_size, objective, "lm",
                              self.vocab_size, self.temperature)
-        return _prefixed(metrics, "actor")
+        return role_metrics(metrics, "actor")
 
 
-def _prefixed(metrics: dict, role: str) -> dict:
+def role_metrics(metrics: dict, role: str) -> dict:
     """Step-level names (loss, grad_norm, lr, update_skipped) get the role's prefix."""
     return {name if "/" in name else f"{role}/{name}": value for name, value in metrics.items()}

@@ -8,7 +8,7 @@ from mcore_rl.algorithms.objectives import critic_objective
 from mcore_rl.config import AlgorithmConfig
 from mcore_rl.training import TrainableModel, compute_outputs, train_step
 
-from .actor import _prefixed
+from .actor import role_metrics
 
 CRITIC_INPUTS = ("input_ids", "attention_mask", "loss_mask", "old_values", "returns")
 
@@ -32,5 +32,5 @@ class Critic:
         """One optimizer step of the clipped value loss; metrics identical on every rank."""
         inputs = {name: mini_batch[name] for name in CRITIC_INPUTS}
         objective = partial(critic_objective, config=self.algorithm)
-        return _prefixed(train_step(self.trainable, inputs, self.micro_batch_size, objective,
+        return role_metrics(train_step(self.trainable, inputs, self.micro_batch_size, objective,
                                     "scalar"), "critic")

@@ -68,7 +68,7 @@ class SumsAndCounts:
         maxima = torch.tensor([self.maxima[name] for name in sorted(self.maxima)],
                               dtype=torch.float64)
         if dist.is_initialized():
-            backend_device = _collective_device(group)
+            backend_device = collective_device(group)
             totals, maxima = totals.to(backend_device), maxima.to(backend_device)
             dist.all_reduce(totals, group=group)
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
@@ -78,7 +78,8 @@ class SumsAndCounts:
         return result
 
 
-def _collective_device(group) -> torch.device:
+def collective_device(group) -> torch.device:
+    """Where tensors for a collective over `group` must live (NCCL: this GPU; gloo: CPU)."""
     backend = dist.get_backend(group)
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
         else torch.device("cpu")

@@ -35,7 +35,8 @@ from .api import with_actor_model
 from .build import build_engine, build_roles
 from .data import TrainingData, load_training_data
 from .experience import Rollout, make_experience, mini_batches, select_groups, varied_groups
-from .metrics import MetricsLogger, PhaseTimer, SumsAndCounts, peak_memory_metrics
+from .metrics import (MetricsLogger, PhaseTimer, SumsAndCounts, collective_device,
+                      peak_memory_metrics)
 
 
 class TrainingDiverged(RuntimeError):
@@ -183,8 +184,7 @@ class Trainer:
 
     def _fewest_over_data_parallel(self, count: int) -> int:
         holder = torch.tensor([count], dtype=torch.int64,
-                              device=self.runtime.device if self.runtime.backend == "nccl"
-                              else torch.device("cpu"))
+                              device=collective_device(self.dp_group))
         dist.all_reduce(holder, op=dist.ReduceOp.MIN, group=self.dp_group)
         return int(holder.item())
 
