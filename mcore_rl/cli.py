@@ -113,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             from .smoke import run_smoke
             run_smoke(load_config(args.config, args.overrides))
         elif args.command == "train":
-            from .trainer import Trainer
+            from .trainer import PREEMPTED_EXIT_CODE, Trainer
             trainer = Trainer(load_config(args.config, args.overrides))
             trainer.fit()
             trainer.close()
+            if trainer.preempted:
+                return PREEMPTED_EXIT_CODE
     except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as error:
         print(f"mcore-rl: {error}", file=sys.stderr)
         return 2

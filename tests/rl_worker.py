@@ -42,6 +42,52 @@ def train_then_die(out_path: str, overrides: list[str], kill_after_step: int) ->
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def train_until_signal(out_path: str, overrides: list[str], signal_after_step: int,
+                       signalled_rank: int) -> None:
+    """Like a SLURM preemption notice: after step `signal_after_step`, SIGUSR1 reaches one rank
+    and every process it started (reward workers, the engine's processes); fit() must save and
+    stop on every rank, and the child processes must survive the signal."""
+    import signal
+
+    trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    children = []
+    train_step = trainer.train_step
+
+    def step_then_signal():
+        metrics = train_step()
+        if trainer.step == signal_after_step and dist.get_rank() == signalled_rank:
+            children.extend(_child_pids())
+            for pid in children + [os.getpid()]:
+                os.kill(pid, signal.SIGUSR1)
+        return metrics
+
+    trainer.train_step = step_then_signal
+    history = trainer.fit()
+    result = {"history": history, "preempted": trainer.preempted, "children": len(children),
+              "children_alive": all(_is_running(pid) for pid in children)}
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)
+    trainer.close()
+
+
+def _child_pids() -> list[int]:
+    pids = []
+    for thread in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{thread}/children") as handle:
+            pids += [int(pid) for pid in handle.read().split()]
+    return pids
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def nonfinite_update(out_path: str) -> None:
     """A NaN loss must leave the weights and the LR schedule untouched; a finite one must
     not."""

@@ -40,15 +40,26 @@ def comparable(metrics: dict) -> dict:
             if not name.startswith(NOT_REPRODUCIBLE)}
 
 
-def test_sigkill_and_resume_is_bitwise(tmp_path):
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
     from mcore_rl.data import write_toy_tokenizer
-    from rl_worker import train, train_then_die
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    tokenizer_dir = write_toy_tokenizer(str(tmp_path / "tokenizer"))
-    run_world(2, train, str(tmp_path / "reference.pt"),
-              overrides(tokenizer_dir, tmp_path / "uninterrupted"))
-    reference = torch.load(tmp_path / "reference.pt")["history"]
+    return write_toy_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tokenizer_dir):
+    """The metrics of the uninterrupted run."""
+    from rl_worker import train
+
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    run_world(2, train, str(tmp_path / "reference.pt"), overrides(tokenizer_dir, tmp_path))
+    return torch.load(tmp_path / "reference.pt")["history"]
+
+
+def test_sigkill_and_resume_is_bitwise(tmp_path, tokenizer_dir, reference):
+    from rl_worker import train, train_then_die
 
     killed_dir = tmp_path / "killed"
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
@@ -67,3 +78,20 @@ def test_sigkill_and_resume_is_bitwise(tmp_path):
         assert comparable(again) == comparable(original), f"step {step} differs after resume"
     # The adaptive KL coefficient moved, so restoring it was tested, not assumed.
     assert reference[-1]["actor/kl_coef"] != reference[0]["actor/kl_coef"]
+
+
+def test_preemption_signal_saves_and_stops_every_rank(tmp_path, tokenizer_dir, reference):
+    """SIGUSR1 on one rank (and its child processes) after step 1: both ranks stop after that
+    step with a checkpoint (save_every alone would save none), the CLI's requeue status is
+    set, and the reward workers and engine processes survive the signal."""
+    from rl_worker import train_until_signal
+
+    run_dir = tmp_path / "preempted"
+    run_world(2, train_until_signal, str(tmp_path / "preempted.pt"),
+              overrides(tokenizer_dir, run_dir) + ["trainer.save_every=0"], 1, 1)
+    ranks = torch.load(tmp_path / "preempted.pt")
+    assert [rank["preempted"] for rank in ranks] == [True, True]
+    assert [len(rank["history"]) for rank in ranks] == [1, 1]
+    assert comparable(ranks[0]["history"][0]) == comparable(reference[0])
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_00000001"]
+    assert ranks[1]["children"] > 0 and ranks[1]["children_alive"]

@@ -8,6 +8,7 @@ when a KL term is used); no flag switches a role on or off behind the algorithm'
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -155,6 +156,11 @@ class TrainerConfig:
     tensorboard: bool = True
     """Write metrics to output_dir/tensorboard (rank 0)."""
 
+    save_signal: Optional[str] = "SIGUSR1"
+    """On this signal (SLURM's `--signal=USR1@120` before preemption or the time limit) every
+    rank finishes its step, a checkpoint is saved and `mcore-rl train` exits with status 75 for
+    the sbatch script to requeue; None: the signal keeps its default action."""
+
     def errors(self) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""
         errors = []
@@ -164,4 +170,18 @@ class TrainerConfig:
         for name in ("save_every", "eval_every"):
             if getattr(self, name) < 0:
                 errors.append(f"trainer.{name}={getattr(self, name)} must be >= 0")
+        if self.save_signal is not None:
+            try:
+                signal_from_name(self.save_signal)
+            except ValueError as error:
+                errors.append(f"trainer.save_signal: {error}")
         return errors
+
+
+def signal_from_name(name: str) -> signal.Signals:
+    """signal.Signals for 'SIGUSR1' or 'USR1' (ValueError naming the valid names otherwise)."""
+    full_name = name if name.startswith("SIG") else f"SIG{name}"
+    if full_name not in signal.Signals.__members__:
+        raise ValueError(f"unknown signal {name!r}; valid names: "
+                         f"{', '.join(sorted(signal.Signals.__members__))}")
+    return signal.Signals[full_name]

@@ -37,6 +37,7 @@ from .data import TrainingData, load_training_data
 from .experience import Rollout, make_experience, mini_batches, select_groups, varied_groups
 from .metrics import (MetricsLogger, PhaseTimer, SumsAndCounts, collective_device,
                       peak_memory_metrics)
+from .preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 
 
 class TrainingDiverged(RuntimeError):
@@ -77,6 +78,9 @@ class Trainer:
                 config.critic, init_path=critic_model))
         launch = read_launch_env()
         self.config = validate_rl(config, launch.world_size)
+        self.preemption = PreemptionFlag(config.trainer.save_signal)
+        self.preempted = False
+        """Whether fit() stopped early on trainer.save_signal (after saving)."""
         self.runtime = initialize(config, launch)
         from megatron.core import parallel_state
 
@@ -105,6 +109,7 @@ class Trainer:
         self.checkpoint_dir = os.path.join(config.runtime.output_dir, "checkpoints")
         if config.trainer.resume:
             self._resume()
+        self.preemption.arm()
 
     # -- the step ---------------------------------------------------------------------------
     def collect_data(self, prompts: list | None = None) -> Experience:
@@ -231,11 +236,15 @@ class Trainer:
         self.step += 1
         self._track_bad_steps(metrics)
         self.logger.log(self.step, metrics)
-        trainer = self.config.trainer
-        if trainer.save_every and (self.step % trainer.save_every == 0
-                                   or self.step == trainer.total_steps):
+        if self._save_due():
             self.save()
         return metrics
+
+    def _save_due(self) -> bool:
+        """Whether train_step saves (saved) a checkpoint after the current step."""
+        trainer = self.config.trainer
+        return bool(trainer.save_every) and (self.step % trainer.save_every == 0
+                                             or self.step == trainer.total_steps)
 
     def fit(self) -> list[dict]:
         """Train until trainer.total_steps (continuing a resumed run), evaluating every
@@ -246,9 +255,19 @@ class Trainer:
             self.logger.log(0, self.evaluate(), "eval")
         while self.step < self.config.trainer.total_steps:
             history.append(self.train_step())
+            if self.preemption.raised_anywhere():
+                self._save_for_requeue()
+                break
             if every and self.step % every == 0:
                 self.logger.log(self.step, self.evaluate(), "eval")
         return history
+
+    def _save_for_requeue(self) -> None:
+        if not self._save_due():
+            self.save()
+        self.preempted = True
+        print0(f"step {self.step}: {self.config.trainer.save_signal} received; saved "
+               f"{self.checkpoint_dir} and stopping (exit status {PREEMPTED_EXIT_CODE})")
 
     def evaluate(self) -> dict:
         """Mean score and accuracy of `rollout.eval_sampling` responses to the validation
