@@ -83,12 +83,14 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, tokenizer_dir, reference):
 def test_preemption_signal_saves_and_stops_every_rank(tmp_path, tokenizer_dir, reference):
     """SIGUSR1 on one rank (and its child processes) after step 1: both ranks stop after that
     step with a checkpoint (save_every alone would save none), the CLI's requeue status is
-    set, and the reward workers and engine processes survive the signal."""
+    set, and the reward workers and engine processes survive the signal. The run also parks
+    actor and critic in host memory while generating, which must not change a single metric."""
     from rl_worker import train_until_signal
 
     run_dir = tmp_path / "preempted"
     run_world(2, train_until_signal, str(tmp_path / "preempted.pt"),
-              overrides(tokenizer_dir, run_dir) + ["trainer.save_every=0"], 1, 1)
+              overrides(tokenizer_dir, run_dir) + ["trainer.save_every=0", "actor.offload=true",
+                                                    "critic.offload=true"], 1, 1)
     ranks = torch.load(tmp_path / "preempted.pt")
     assert [rank["preempted"] for rank in ranks] == [True, True]
     assert [len(rank["history"]) for rank in ranks] == [1, 1]

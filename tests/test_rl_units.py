@@ -126,10 +126,12 @@ def test_bad_steps():
 
 def test_rl_config_rules_name_the_fields():
     config = load_config(None, ["data.toy.size=8", "rollout.prompts_per_step=6",
-                                "algorithm.policy_loss=nope", "rollout.engine=sglang"])
+                                "algorithm.policy_loss=nope", "rollout.engine=sglang",
+                                "trainer.save_signal=SIGNOPE"])
     with pytest.raises(ConfigError) as error:
         validate_rl(config, 4)
     message = str(error.value)
+    assert "trainer.save_signal: unknown signal 'SIGNOPE'; valid names: " in message
     assert "algorithm.policy_loss='nope' is not a known policy loss; known: gspo, ppo" in message
     assert "rollout.engine='sglang'" in message
     config = load_config(None, ["data.toy.size=8", "rollout.prompts_per_step=4",
@@ -139,6 +141,8 @@ def test_rl_config_rules_name_the_fields():
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         validate_rl(dataclasses.replace(config, data=dataclasses.replace(
             config.data, max_prompt_tokens=10 ** 6)), 1)
+    with pytest.raises(ConfigError, match="actor.offload=true needs rollout.engine=vllm"):
+        validate_rl(load_config(None, ["actor.offload=true", "rollout.engine=megatron"]), 1)
 
 
 def test_make_trainer_config_maps_the_seed_api(monkeypatch):

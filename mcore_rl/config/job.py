@@ -131,6 +131,11 @@ def validate_rl(config: JobConfig, world_size: int) -> JobConfig:
     rollout_tp = config.rollout.rollout_tp
     if config.rollout.engine == "vllm" and world_size % rollout_tp:
         errors.append(f"rollout.rollout_tp={rollout_tp} must divide the world size {world_size}")
+    for role in ("actor", "critic"):
+        if getattr(config, role).offload and config.rollout.engine != "vllm":
+            errors.append(f"{role}.offload=true needs rollout.engine=vllm (the "
+                          f"{config.rollout.engine} engine generates with the actor's own "
+                          f"parameters)")
     if errors:
         raise ConfigError("invalid RL configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))

@@ -29,6 +29,11 @@ class RoleConfig:
     micro_batch_size: int = 2
     """Sequences per forward/backward micro-batch on one rank (log-probs, values, updates)."""
 
+    offload: bool = False
+    """Park this role's parameters, gradients and optimizer state in host memory while the
+    engine generates, so a colocated GPU holds either them or the engine's weights and KV cache
+    (vllm engine only; costs two host<->device copies per step)."""
+
 
 @dataclass(frozen=True)
 class CriticConfig(RoleConfig):

@@ -15,6 +15,7 @@ generation and the scores to the group. Data-parallel ranks hold different promp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -30,6 +31,7 @@ from mcore_rl.config.rollout import PromptConfig
 from mcore_rl.rewards import RewardResult
 from mcore_rl.runtime import initialize, print0, shutdown
 from mcore_rl.runtime.launch_env import read_launch_env
+from mcore_rl.training.offload import HostParking
 
 from .api import with_actor_model
 from .build import build_engine, build_roles
@@ -94,6 +96,10 @@ class Trainer:
         self.roles = build_roles(config, self.runtime.device)
         self.engine, self.weight_sync = build_engine(config, self.roles.actor,
                                                      config.data.max_prompt_tokens)
+        self.parkings = [HostParking(role.trainable) for role, role_config in
+                         ((self.roles.actor, config.actor), (self.roles.critic, config.critic))
+                         if role is not None and role_config.offload]
+        """Host-memory parking of the roles with `offload` set, used while generating."""
         algorithm = config.algorithm
         self.kl_controller = KLController(algorithm.kl_coef, algorithm.kl_controller == "adaptive",
                                           algorithm.target_kl, algorithm.kl_horizon)
@@ -141,11 +147,9 @@ class Trainer:
     def _rollout(self, records: list, token_ids: list, timer: PhaseTimer,
                  round_index: int = 0) -> Rollout:
         """Generate (engine awake only meanwhile) and score one round of prompts."""
-        with timer("generate"):
-            self.engine.wake()
+        with self._engine_awake(timer), timer("generate"):
             generation = self.engine.generate(token_ids, self._sampling(round_index),
                                               self.prompt_config)
-            self.engine.sleep()
         with timer("reward"):
             generation, results = self._score(generation, records)
         return Rollout(records, token_ids, generation, results)
@@ -274,12 +278,11 @@ class Trainer:
         prompts (each data-parallel rank takes a share)."""
         records, token_ids = self.data.validation_shard()
         self._sync_weights()
-        self.engine.wake()
         sampling = dataclasses.replace(self.config.rollout.eval_sampling,
                                        stop_token_ids=self.data.stop_token_ids,
                                        seed=self.config.runtime.seed)
-        generation = self.engine.generate(token_ids, sampling, self.prompt_config)
-        self.engine.sleep()
+        with self._engine_awake():
+            generation = self.engine.generate(token_ids, sampling, self.prompt_config)
         generation, results = self._score(generation, records)
         stats = SumsAndCounts()
         scores = torch.tensor([result.score for result in results], dtype=torch.float64)
@@ -301,11 +304,27 @@ class Trainer:
         """Score of the greedy response to each prompt (ReMax's baseline)."""
         sampling = dataclasses.replace(self.config.rollout.sampling, n=1, temperature=0.0,
                                        stop_token_ids=self.data.stop_token_ids)
-        self.engine.wake()
-        generation = self.engine.generate(rollout.token_ids, sampling, self.prompt_config)
-        self.engine.sleep()
+        with self._engine_awake():
+            generation = self.engine.generate(rollout.token_ids, sampling, self.prompt_config)
         _, results = self._score(generation, rollout.records)
         return torch.tensor([result.score for result in results], dtype=torch.float32)
+
+    @contextlib.contextmanager
+    def _engine_awake(self, timer: PhaseTimer | None = None):
+        """The engine holds its weights and KV cache only meanwhile; roles configured with
+        offload park their device memory in host memory for that time (phase 'switch')."""
+        timer = timer or PhaseTimer()
+        with timer("switch"):
+            for parking in self.parkings:
+                parking.park()
+            self.engine.wake()
+        try:
+            yield
+        finally:
+            with timer("switch"):
+                self.engine.sleep()
+                for parking in self.parkings:
+                    parking.restore()
 
     def _sync_weights(self) -> None:
         if self.weight_sync is not None:
