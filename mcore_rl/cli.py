@@ -6,6 +6,8 @@
     mcore-rl convert mcore-to-hf --ckpt DIR --out PATH
     mcore-rl plan --model configs/models/llama3-70b.yaml --train-tp 8 --train-pp 4 \
         --rollout-tp 8 --gpus 64,256,1024
+    mcore-rl compare runs/a runs/b --output compare.png
+    mcore-rl plot runs/a
 
 Every rank of a torchrun/srun world runs the same command line (see scripts/torchrun.sh);
 conversions also run as a single process.
@@ -62,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--intra-node-gbps", type=float, default=Links.intra_node_gbps)
     plan.add_argument("--inter-node-gbps", type=float, default=Links.inter_node_gbps)
     plan.add_argument("--bucket-mb", type=float, default=512, help="resharder bucket size")
+
+    compare = commands.add_parser("compare", help="A/B table and plot of run directories")
+    compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runtime.output_dir")
+    compare.add_argument("--output", default="compare.png", help="comparison plot (PNG)")
+    plot = commands.add_parser("plot", help="reward, accuracy and KL plots into RUN_DIR/plots")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="runtime.output_dir")
     return parser
 
 
@@ -109,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             _convert(args)
         elif args.command == "plan":
             _plan(args)
+        elif args.command == "compare":
+            from .evaluation import compare_command
+            compare_command(args.run_dirs, args.output)
+        elif args.command == "plot":
+            from .evaluation import plot_command
+            plot_command(args.run_dir)
         elif args.command == "smoke":
             from .smoke import run_smoke
             run_smoke(load_config(args.config, args.overrides))

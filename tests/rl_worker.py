@@ -12,13 +12,22 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config import load_config
+from mcore_rl.evaluation import Evaluator
 from mcore_rl.trainer import Trainer
 
 TOY_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_toy.yaml")
 
 
+class SampleCounter(Evaluator):
+    """A user evaluator: how many prompts and responses reached it (from every DP rank)."""
+
+    def evaluate(self, trainer, samples):
+        return {"prompts_seen": len(samples.prompts), "responses_seen": len(samples.responses)}
+
+
 def train(out_path: str, overrides: list[str]) -> None:
     trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    trainer.register_evaluator(SampleCounter())
     before = trainer.evaluate()
     history = trainer.fit()
     after = trainer.evaluate()

@@ -50,16 +50,29 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tokenizer_dir):
-    """The metrics of the uninterrupted run."""
+    """The step metrics of the uninterrupted run (and its evaluations before and after)."""
     from rl_worker import train
 
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
     run_world(2, train, str(tmp_path / "reference.pt"), overrides(tokenizer_dir, tmp_path))
-    return torch.load(tmp_path / "reference.pt")["history"]
+    result = torch.load(tmp_path / "reference.pt")
+    return result["history"], result["before"], result["after"]
+
+
+def test_evaluation_sees_every_data_parallel_rank(reference):
+    """The toy task's 64 validation prompts are split over DP2 for generation; evaluators
+    (here the test's registered SampleCounter) get all of them, and the KL of the initial
+    policy to its reference copy is exactly 0."""
+    _, before, after = reference
+    assert before["eval/prompts_seen"] == after["eval/prompts_seen"] == 64
+    assert before["eval/responses_seen"] == 64
+    assert before["eval/kl_to_reference"] == 0.0 < after["eval/kl_to_reference"]
 
 
 def test_sigkill_and_resume_is_bitwise(tmp_path, tokenizer_dir, reference):
     from rl_worker import train, train_then_die
+
+    reference = reference[0]
 
     killed_dir = tmp_path / "killed"
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
@@ -87,6 +100,7 @@ def test_preemption_signal_saves_and_stops_every_rank(tmp_path, tokenizer_dir, r
     actor and critic in host memory while generating, which must not change a single metric."""
     from rl_worker import train_until_signal
 
+    reference = reference[0]
     run_dir = tmp_path / "preempted"
     run_world(2, train_until_signal, str(tmp_path / "preempted.pt"),
               overrides(tokenizer_dir, run_dir) + ["trainer.save_every=0", "actor.offload=true",

@@ -26,8 +26,9 @@ def launch(*arguments, port):
 def test_train_command_logs_and_checkpoints(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    done = launch("trainer.total_steps=2", "trainer.save_every=2", f"runtime.output_dir={tmp_path}",
-                  port=29561)
+    done = launch("trainer.total_steps=2", "trainer.save_every=2", "trainer.eval_every=2",
+                  "rollout.eval_sampling.n=2", "rollout.eval_sampling.temperature=1.0",
+                  f"runtime.output_dir={tmp_path}", port=29561)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = STEP_LINE.findall(done.stdout)
     assert [int(step) for step, _ in steps] == [1, 2], done.stdout[-2000:]
@@ -46,6 +47,28 @@ def test_train_command_logs_and_checkpoints(tmp_path):
     assert [round(value, 4) for _, value in logged] == [round(float(v), 4) for _, v in steps]
     assert os.path.isfile(tmp_path / "config.yaml")
     assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]
+    check_run_files(tmp_path, [float(value) for _, value in steps])
+
+
+def check_run_files(run_dir, console_rewards):
+    """metrics.jsonl repeats the console, eval.jsonl holds the evaluations before the first
+    and after the last step, the plots exist, and `mcore-rl compare` reads the run."""
+    import json
+
+    from mcore_rl.cli import main
+
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert [float(f"{m['reward/mean']:.4g}") for m in metrics] == console_rewards
+    evals = [json.loads(line) for line in open(run_dir / "eval.jsonl")]
+    assert [e["step"] for e in evals] == [0, 2]
+    for evaluation in evals:  # pass@2 >= pass@1; distinct-2 >= distinct-1 (as fractions)
+        assert evaluation["eval/pass@2"] >= evaluation["eval/accuracy"]
+        assert 0 < evaluation["eval/distinct_1"] <= evaluation["eval/distinct_2"] <= 1
+    # No KL plot: this GRPO configuration has no reference model.
+    assert sorted(os.listdir(run_dir / "plots")) == ["accuracy.png", "reward.png"]
+    assert main(["compare", str(run_dir), "--output", str(run_dir / "compare.png")]) == 0
+    assert (run_dir / "compare.png").stat().st_size > 0
 
 
 def test_unknown_estimator_is_refused_with_the_known_names(tmp_path):

@@ -151,8 +151,8 @@ class TrainerConfig:
     """Continue from the newest complete checkpoint in output_dir/checkpoints if there is one."""
 
     eval_every: int = 0
-    """Evaluate on the validation prompts every this many steps (and before the first); 0:
-    never."""
+    """Evaluate on the validation prompts every this many steps (and before the first and
+    after the last); 0: never."""
 
     max_bad_steps: int = 3
     """Stop after this many consecutive steps with a non-finite loss or gradient norm (their
@@ -160,6 +160,10 @@ class TrainerConfig:
 
     tensorboard: bool = True
     """Write metrics to output_dir/tensorboard (rank 0)."""
+
+    plots: bool = True
+    """At the end of fit(), PNG plots of reward, accuracy and KL over steps into
+    output_dir/plots (rank 0; also `mcore-rl plot RUN_DIR`)."""
 
     save_signal: Optional[str] = "SIGUSR1"
     """On this signal (SLURM's `--signal=USR1@120` before preemption or the time limit) every

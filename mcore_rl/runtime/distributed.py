@@ -9,6 +9,7 @@ on the others instead of a hang, and seeds Python, NumPy, torch and Megatron's R
 from __future__ import annotations
 
 import datetime
+import os
 import random
 from dataclasses import dataclass
 
@@ -78,11 +79,21 @@ def start_process_group(backend: str = "auto", timeout_minutes: float = 10.0,
         torch.cuda.set_device(launch.local_rank)
         device = torch.device("cuda", launch.local_rank)
     backend = choose_backend(backend)
+    _export_launch_variables(launch)
     dist.init_process_group(backend=backend, init_method=f"tcp://{launch.master_addr}:"
                             f"{launch.master_port}", rank=launch.rank,
                             world_size=launch.world_size,
                             timeout=datetime.timedelta(minutes=timeout_minutes))
     return Runtime(launch=launch, backend=backend, device=device)
+
+
+def _export_launch_variables(launch: LaunchEnv) -> None:
+    """Set torchrun's variables when srun or a bare `python` started this rank: libraries
+    running inside the job read them (vLLM's external-launcher executor needs RANK)."""
+    for name, value in (("RANK", launch.rank), ("WORLD_SIZE", launch.world_size),
+                        ("LOCAL_RANK", launch.local_rank), ("MASTER_ADDR", launch.master_addr),
+                        ("MASTER_PORT", launch.master_port)):
+        os.environ.setdefault(name, str(value))
 
 
 def _initialize_megatron(config: JobConfig) -> None:

@@ -94,7 +94,9 @@ def peak_memory_metrics() -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Rank 0 prints a line per step and writes TensorBoard scalars; other ranks do nothing."""
+    """Rank 0 prints a line per step and writes TensorBoard scalars and the run directory's
+    JSONL files (metrics.jsonl per step, eval.jsonl per evaluation, read by `mcore-rl compare`
+    and `mcore-rl plot`); other ranks do nothing."""
 
     CONSOLE = ("reward/mean", "reward/accuracy", "actor/entropy", "actor/kl_to_reference",
                "actor/grad_norm", "critic/loss", "response/length_mean", "time/step",
@@ -103,13 +105,21 @@ class MetricsLogger:
     def __init__(self, output_dir: str, tensorboard: bool):
         self.active = not dist.is_initialized() or dist.get_rank() == 0
         self.writer = None
+        self.jsonl = {}
+        if self.active:
+            from mcore_rl.evaluation import EVAL_FILE, METRICS_FILE, JsonlWriter
+
+            self.jsonl = {"step": JsonlWriter(os.path.join(output_dir, METRICS_FILE)),
+                          "eval": JsonlWriter(os.path.join(output_dir, EVAL_FILE))}
         if self.active and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, float], prefix: str = "step") -> None:
+        """prefix: 'step' (training metrics) or 'eval'."""
         if not self.active:
             return
+        self.jsonl[prefix].write(step, metrics)
         names = [name for name in self.CONSOLE if name in metrics] or sorted(metrics)
         shown = "  ".join(f"{name} {metrics[name]:.4g}" for name in names)
         print(f"{prefix} {step}: {shown}", flush=True)
@@ -119,5 +129,7 @@ class MetricsLogger:
             self.writer.flush()
 
     def close(self) -> None:
+        for writer in self.jsonl.values():
+            writer.close()
         if self.writer is not None:
             self.writer.close()

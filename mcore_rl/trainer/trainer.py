@@ -28,9 +28,11 @@ from mcore_rl.algorithms.advantages import AdvantageInputs, compute_advantages
 from mcore_rl.algorithms.kl import KLController, apply_kl_penalty, kl_estimate
 from mcore_rl.config import JobConfig, to_yaml, validate_rl
 from mcore_rl.config.rollout import PromptConfig
+from mcore_rl.evaluation import EvalSamples, Evaluator, default_evaluators, run_evaluators
 from mcore_rl.rewards import RewardResult
 from mcore_rl.runtime import initialize, print0, shutdown
 from mcore_rl.runtime.launch_env import read_launch_env
+from mcore_rl.training.batches import pad_rows_to_multiple
 from mcore_rl.training.offload import HostParking
 
 from .api import with_actor_model
@@ -109,6 +111,8 @@ class Trainer:
         self.pending_rollout: Rollout | None = None
         """With async_rollout: the batch generated ahead for the next step (this rank's)."""
         self.logger = MetricsLogger(config.runtime.output_dir, config.trainer.tensorboard)
+        self.evaluators: list[Evaluator] = default_evaluators()
+        """Run at every evaluation; `register_evaluator` adds more."""
         if dist.get_rank() == 0:
             _write_atomically(os.path.join(config.runtime.output_dir, "config.yaml"),
                               to_yaml(config))
@@ -251,19 +255,24 @@ class Trainer:
                                              or self.step == trainer.total_steps)
 
     def fit(self) -> list[dict]:
-        """Train until trainer.total_steps (continuing a resumed run), evaluating every
-        trainer.eval_every steps; returns the metrics of the steps run here."""
+        """Train until trainer.total_steps (continuing a resumed run), evaluating before the
+        first step, every trainer.eval_every steps and after the last; returns the metrics of
+        the steps run here. Rank 0 then draws the run's plots (trainer.plots)."""
         history = []
-        every = self.config.trainer.eval_every
+        every, total_steps = self.config.trainer.eval_every, self.config.trainer.total_steps
         if every and self.step == 0:
             self.logger.log(0, self.evaluate(), "eval")
-        while self.step < self.config.trainer.total_steps:
+        while self.step < total_steps:
             history.append(self.train_step())
             if self.preemption.raised_anywhere():
                 self._save_for_requeue()
                 break
-            if every and self.step % every == 0:
+            if every and (self.step % every == 0 or self.step == total_steps):
                 self.logger.log(self.step, self.evaluate(), "eval")
+        if self.config.trainer.plots and dist.get_rank() == 0:
+            from mcore_rl.evaluation import plot_run
+            paths = plot_run(self.config.runtime.output_dir)
+            print0(f"plots: {', '.join(str(path) for path in paths)}")
         return history
 
     def _save_for_requeue(self) -> None:
@@ -274,8 +283,10 @@ class Trainer:
                f"{self.checkpoint_dir} and stopping (exit status {PREEMPTED_EXIT_CODE})")
 
     def evaluate(self) -> dict:
-        """Mean score and accuracy of `rollout.eval_sampling` responses to the validation
-        prompts (each data-parallel rank takes a share)."""
+        """Generate `rollout.eval_sampling` responses to the validation prompts (each
+        data-parallel rank a share), score them, gather them on every rank and run the
+        evaluators (the built-ins and those registered); with a reference model also the KL of
+        the policy to it on these responses."""
         records, token_ids = self.data.validation_shard()
         self._sync_weights()
         sampling = dataclasses.replace(self.config.rollout.eval_sampling,
@@ -284,13 +295,51 @@ class Trainer:
         with self._engine_awake():
             generation = self.engine.generate(token_ids, sampling, self.prompt_config)
         generation, results = self._score(generation, records)
+        metrics = {}
+        if self.roles.reference is not None:
+            metrics["eval/kl_to_reference"] = self._kl_to_reference(generation)
+        samples = self._gather_eval_samples(records, generation, results)
+        metrics.update(run_evaluators(self.evaluators, self, samples))
+        return metrics
+
+    def register_evaluator(self, evaluator: Evaluator) -> None:
+        """Run `evaluator.evaluate(trainer, samples)` at every evaluation (on every rank, with
+        the samples of all ranks); its metrics are logged with an 'eval/' prefix."""
+        self.evaluators.append(evaluator)
+
+    def _gather_eval_samples(self, records: list, generation, results: list) -> EvalSamples:
+        """Every data-parallel rank's evaluated prompts, responses and scores, on every rank."""
+        decode = self.data.tokenizer.decode
+        mine = ([_prompt_text(record.prompt) for record in records],
+                [record.data_source for record in records],
+                [(c.prompt_index, c.token_ids, decode(c.token_ids, skip_special_tokens=True),
+                  result.score) for c, result in zip(generation.completions, results)])
+        shares = [None] * dist.get_world_size(self.dp_group)
+        dist.all_gather_object(shares, mine, group=self.dp_group)
+        prompts, sources, completions = [], [], []
+        for share_prompts, share_sources, share_completions in shares:
+            completions += [(len(prompts) + index, *rest) for index, *rest in share_completions]
+            prompts += share_prompts
+            sources += share_sources
+        return EvalSamples(prompts=prompts, data_sources=sources,
+                           prompt_index=[c[0] for c in completions],
+                           response_token_ids=[list(c[1]) for c in completions],
+                           responses=[c[2] for c in completions],
+                           scores=[float(c[3]) for c in completions],
+                           samples_per_prompt=self.config.rollout.eval_sampling.n)
+
+    def _kl_to_reference(self, generation) -> float:
+        """Mean per-token KL (algorithm.kl_estimator) of the policy to the reference on the
+        generated responses, over all data-parallel ranks."""
+        rows = generation.response_tensors(self.data.pad_id)
+        count = rows["input_ids"].shape[0]
+        padded = pad_rows_to_multiple(rows, self.config.actor.micro_batch_size)
+        policy = self.roles.actor.logprobs(padded)["logprobs"][:count]
+        reference = self.roles.reference.logprobs(padded)[:count]
         stats = SumsAndCounts()
-        scores = torch.tensor([result.score for result in results], dtype=torch.float64)
-        stats.add("eval/reward_mean", scores)
-        stats.add("eval/accuracy", (scores >= 1.0).double())
-        stats.add("eval/response_length", torch.tensor(
-            [len(c.token_ids) for c in generation.completions], dtype=torch.float64))
-        return stats.reduce(self.dp_group)
+        stats.add("kl", kl_estimate(policy, reference, self.config.algorithm.kl_estimator),
+                  rows["response_mask"])
+        return stats.reduce(self.dp_group)["kl"]
 
     # -- pieces of the step ------------------------------------------------------------------
     def _sampling(self, round_index: int = 0):
@@ -432,6 +481,13 @@ def _write_atomically(path: str, text: str) -> None:
     with open(path + ".tmp", "w") as handle:
         handle.write(text)
     os.replace(path + ".tmp", path)
+
+
+def _prompt_text(prompt) -> str:
+    """A prompt as text: itself, or its chat messages' contents one per line."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{message['role']}: {message['content']}" for message in prompt)
 
 
 def is_bad_step(metrics: dict) -> bool:

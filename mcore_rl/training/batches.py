@@ -44,6 +44,18 @@ def split_micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
             for start in range(0, rows, micro_batch_size)]
 
 
+def pad_rows_to_multiple(batch: Batch, multiple: int) -> Batch:
+    """The batch with copies of its last row appended until the row count is a multiple of
+    `multiple` (pipeline schedules need equal micro-batches); slice outputs back to the
+    original count."""
+    rows = batch["input_ids"].shape[0]
+    missing = -rows % multiple
+    if missing == 0:
+        return batch
+    return {name: torch.cat([tensor, tensor[-1:].expand(missing, *tensor.shape[1:])])
+            for name, tensor in batch.items()}
+
+
 def shard_for_data_parallel(batch: Batch, dp_rank: int, dp_size: int) -> Batch:
     """The contiguous share of rows that data-parallel rank `dp_rank` trains on."""
     rows = batch["input_ids"].shape[0]
