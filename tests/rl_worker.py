@@ -153,3 +153,18 @@ def reward_model_scores(out_path: str, model_path: str, tensor_parallel: int) ->
     if dist.get_rank() == 0:
         torch.save(scores, out_path)
     shutdown()
+
+
+def train_and_export(out_path: str, overrides: list[str]) -> None:
+    """One step, then the actor exported as an HF folder; rank 0 saves the actor's log-probs of
+    a fixed batch for the test to compare with transformers on the export."""
+    trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    trainer.train_step()
+    hf_dir = trainer.export_hf()
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 16, (16, 10), generator=generator)  # one micro-batch
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    logprobs = trainer.roles.actor.logprobs(batch)["logprobs"]
+    if dist.get_rank() == 0:
+        torch.save({"hf_dir": hf_dir, "input_ids": input_ids, "logprobs": logprobs}, out_path)
+    trainer.close()

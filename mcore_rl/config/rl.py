@@ -147,6 +147,11 @@ class TrainerConfig:
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted after a save."""
 
+    export_hf_every: int = 0
+    """Write the actor as an HF folder (safetensors, config.json, tokenizer) to
+    output_dir/hf/step_<N> every this many steps and after the last; 0: never. Exports are
+    kept."""
+
     resume: bool = True
     """Continue from the newest complete checkpoint in output_dir/checkpoints if there is one."""
 
@@ -176,7 +181,7 @@ class TrainerConfig:
         for name in ("total_steps", "ppo_epochs", "mini_batches", "keep_last", "max_bad_steps"):
             if getattr(self, name) < 1:
                 errors.append(f"trainer.{name}={getattr(self, name)} must be >= 1")
-        for name in ("save_every", "eval_every"):
+        for name in ("save_every", "eval_every", "export_hf_every"):
             if getattr(self, name) < 0:
                 errors.append(f"trainer.{name}={getattr(self, name)} must be >= 0")
         if self.save_signal is not None:

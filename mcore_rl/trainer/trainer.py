@@ -246,7 +246,20 @@ class Trainer:
         self.logger.log(self.step, metrics)
         if self._save_due():
             self.save()
+        export_every = self.config.trainer.export_hf_every
+        if export_every and (self.step % export_every == 0
+                             or self.step == self.config.trainer.total_steps):
+            self.export_hf()
         return metrics
+
+    def export_hf(self) -> str:
+        """The actor as an HF folder output_dir/hf/step_<N> (collective)."""
+        from .export import export_actor_to_hf
+
+        out_dir = os.path.join(self.config.runtime.output_dir, "hf", f"step_{self.step:08d}")
+        export_actor_to_hf(self.config, self.roles.actor.module, self.data.tokenizer, out_dir)
+        print0(f"step {self.step}: exported the actor to {out_dir}")
+        return out_dir
 
     def _save_due(self) -> bool:
         """Whether train_step saves (saved) a checkpoint after the current step."""
