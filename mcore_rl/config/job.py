@@ -171,6 +171,14 @@ def _rl_batch_errors(config: JobConfig, world_size: int) -> list[str]:
     errors = []
     for role in ("actor", "critic") if config.algorithm.needs_critic else ("actor",):
         micro = getattr(config, role).micro_batch_size
+        budget = getattr(config, role).max_tokens_per_micro_batch
+        length = config.data.max_prompt_tokens + config.rollout.sampling.max_new_tokens
+        if budget:
+            if budget < length:
+                errors.append(f"{role}.max_tokens_per_micro_batch={budget} must hold the "
+                              f"longest sequence, data.max_prompt_tokens + "
+                              f"rollout.sampling.max_new_tokens = {length}")
+            continue
         if micro < 1 or (rows // mini_batches) % micro:
             errors.append(f"{role}.micro_batch_size={micro} must divide the {rows // mini_batches}"
                           " responses of a mini-batch on each data-parallel rank")

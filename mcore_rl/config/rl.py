@@ -29,6 +29,12 @@ class RoleConfig:
     micro_batch_size: int = 2
     """Sequences per forward/backward micro-batch on one rank (log-probs, values, updates)."""
 
+    max_tokens_per_micro_batch: int = 0
+    """> 0: micro-batches of at most this many tokens (rows x their longest row) instead of
+    micro_batch_size rows: rows are sorted by length, packed greedily and cut to their own
+    longest row, so padding shrinks and short responses fill a micro-batch (verl's
+    use_dynamic_bsz). Must be at least data.max_prompt_tokens + sampling.max_new_tokens."""
+
     offload: bool = False
     """Park this role's parameters, gradients and optimizer state in host memory while the
     engine generates, so a colocated GPU holds either them or the engine's weights and KV cache

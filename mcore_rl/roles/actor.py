@@ -17,12 +17,15 @@ class Actor:
     """A Megatron policy with its optimizer."""
 
     def __init__(self, trainable: TrainableModel, vocab_size: int, micro_batch_size: int,
-                 algorithm: AlgorithmConfig, temperature: float, importance_cap: float):
+                 algorithm: AlgorithmConfig, temperature: float, importance_cap: float,
+                 max_tokens: int = 0):
         """temperature: the rollout temperature (log-probs are of logits / temperature, like the
-        engine's); importance_cap: truncated IS cap (0: off)."""
+        engine's); importance_cap: truncated IS cap (0: off); max_tokens > 0: token-budget
+        micro-batches instead of `micro_batch_size` rows."""
         self.trainable = trainable
         self.vocab_size = vocab_size
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens
         self.algorithm = algorithm
         self.temperature = temperature if temperature > 0 else 1.0
         self.importance_cap = importance_cap
@@ -40,7 +43,7 @@ class Actor:
         """{'logprobs', 'entropy'} [n, s] of the batch's tokens under the current policy."""
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         return compute_outputs(self.trainable.chunks, inputs, self.micro_batch_size, "lm",
-                               self.vocab_size, self.temperature)
+                               self.vocab_size, self.temperature, self.max_tokens)
 
     def update(self, mini_batch: dict) -> dict:
         """One optimizer step on a mini-batch; metrics identical on every rank."""
@@ -48,7 +51,7 @@ class Actor:
         objective = partial(actor_objective, config=self.algorithm,
                             importance_cap=self.importance_cap)
         metrics = train_step(self.trainable, inputs, self.micro_batch_size, objective, "lm",
-                             self.vocab_size, self.temperature)
+                             self.vocab_size, self.temperature, self.max_tokens)
         return role_metrics(metrics, "actor")
 
 

@@ -11,13 +11,15 @@ class Reference:
     """A frozen Megatron policy (no optimizer, no DDP); optionally parked in CPU memory."""
 
     def __init__(self, module: torch.nn.Module, vocab_size: int, micro_batch_size: int,
-                 temperature: float, offload: bool):
-        """module: this rank's GPTModel stage holding the starting weights."""
+                 temperature: float, offload: bool, max_tokens: int = 0):
+        """module: this rank's GPTModel stage holding the starting weights; max_tokens > 0:
+        token-budget micro-batches."""
         for param in module.parameters():
             param.requires_grad_(False)
         self.module = module
         self.vocab_size = vocab_size
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = next(module.parameters()).device
         self.offload = offload and self.device.type != "cpu"
@@ -30,7 +32,8 @@ class Reference:
             self.module.to(self.device)
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         logprobs = compute_outputs([self.module], inputs, self.micro_batch_size, "lm",
-                                   self.vocab_size, self.temperature)["logprobs"]
+                                   self.vocab_size, self.temperature,
+                                   self.max_tokens)["logprobs"]
         if self.offload:
             self.module.to("cpu")
         return logprobs

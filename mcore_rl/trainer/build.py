@@ -46,16 +46,19 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
             for copy, original in zip(frozen.parameters(), policy.parameters(), strict=True):
                 copy.copy_(original)
         reference = Reference(frozen, config.model.vocab_size, config.actor.micro_batch_size,
-                              temperature, config.reference.offload)
+                              temperature, config.reference.offload,
+                              config.actor.max_tokens_per_micro_batch)
     actor = Actor(make_trainable(policy, config.actor.optimizer, precision),
                   config.model.vocab_size, config.actor.micro_batch_size, config.algorithm,
-                  temperature, config.rollout.importance_cap)
+                  temperature, config.rollout.importance_cap,
+                  config.actor.max_tokens_per_micro_batch)
     critic = None
     if config.algorithm.needs_critic:
         value_model = build_gpt_model(config.model, config.parallel, precision, "scalar", device)
         load_initial_weights(value_model, critic_init(config), config.model, head="scalar")
         critic = Critic(make_trainable(value_model, config.critic.optimizer, precision),
-                        config.critic.micro_batch_size, config.algorithm)
+                        config.critic.micro_batch_size, config.algorithm,
+                        config.critic.max_tokens_per_micro_batch)
     reward_model = None
     if config.reward.model_path:
         reward_model = build_reward_model(config, device)

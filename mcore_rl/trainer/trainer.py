@@ -205,9 +205,9 @@ class Trainer:
         """Smallest number of prompts whose responses cut into the configured mini- and
         micro-batches."""
         n = self.config.rollout.sampling.n
-        micro_batch = self.config.actor.micro_batch_size
+        micro_batch = _rows_per_micro_batch(self.config.actor)
         if self.roles.critic is not None:
-            micro_batch = math.lcm(micro_batch, self.config.critic.micro_batch_size)
+            micro_batch = math.lcm(micro_batch, _rows_per_micro_batch(self.config.critic))
         rows_unit = self.config.trainer.mini_batches * micro_batch
         return rows_unit // math.gcd(rows_unit, n)
 
@@ -494,6 +494,11 @@ def _write_atomically(path: str, text: str) -> None:
     with open(path + ".tmp", "w") as handle:
         handle.write(text)
     os.replace(path + ".tmp", path)
+
+
+def _rows_per_micro_batch(role_config) -> int:
+    """The row count a role's micro-batches need (any count with a token budget)."""
+    return 1 if role_config.max_tokens_per_micro_batch else role_config.micro_batch_size
 
 
 def _prompt_text(prompt) -> str:

@@ -44,6 +44,41 @@ def split_micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
             for start in range(0, rows, micro_batch_size)]
 
 
+def token_budget_micro_batches(batch: Batch, max_tokens: int, length_multiple: int = 1
+                               ) -> tuple[list[Batch], torch.Tensor]:
+    """Micro-batches of at most `max_tokens` padded tokens each (rows x the micro-batch's
+    longest row), instead of a fixed row count: rows sorted longest first are packed greedily,
+    and each micro-batch is cut to its own longest row (rounded up to `length_multiple`), so
+    short responses neither waste compute on padding nor leave the budget underused. Returns
+    the micro-batches and `order`: their rows, concatenated, are `batch` rows `order`."""
+    lengths = batch["attention_mask"].sum(dim=1)
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    width = batch["input_ids"].shape[1]
+
+    def padded_length(length: int) -> int:
+        return min(-(-length // length_multiple) * length_multiple, width)
+
+    groups: list[list[int]] = []
+    for row in order.tolist():
+        longest = padded_length(int(lengths[row]))
+        if longest > max_tokens:
+            raise ValueError(f"a sequence of {longest} tokens does not fit the micro-batch token "
+                             f"budget of {max_tokens}")
+        # Sorted longest first: a group's first row sets its width.
+        if groups and (len(groups[-1]) + 1) * padded_length(int(lengths[groups[-1][0]])) \
+                <= max_tokens:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    micro_batches = []
+    for rows in groups:
+        cut = padded_length(int(lengths[rows[0]]))
+        index = torch.tensor(rows)
+        micro_batches.append({name: tensor[index, :cut] if tensor.dim() > 1 else tensor[index]
+                              for name, tensor in batch.items()})
+    return micro_batches, order
+
+
 def pad_rows_to_multiple(batch: Batch, multiple: int) -> Batch:
     """The batch with copies of its last row appended until the row count is a multiple of
     `multiple` (pipeline schedules need equal micro-batches); slice outputs back to the

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..models.logprobs import vocab_parallel_logprobs_and_entropy
-from .batches import Batch, align_to_tokens, check_batch, split_micro_batches
+from .batches import (Batch, align_to_tokens, check_batch, split_micro_batches,
+                      token_budget_micro_batches)
 from .optimizer import TrainableModel
 
 LossFn = Callable[[dict, Batch], tuple]
@@ -65,6 +66,22 @@ def _forward_step(head: str, vocab_size: int, temperature: float, loss_fn: LossF
     return output, loss_func
 
 
+def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
+                   max_tokens: int) -> tuple[list[Batch], torch.Tensor | None]:
+    """Fixed-size micro-batches, or with a token budget (max_tokens > 0) length-sorted ones of
+    varying shapes (then also the row order; see batches.token_budget_micro_batches)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    config.variable_seq_lengths = max_tokens > 0
+    if max_tokens <= 0:
+        return split_micro_batches(batch, micro_batch_size), None
+    length_multiple = parallel_state.get_tensor_model_parallel_world_size() \
+        if config.sequence_parallel else 1
+    return token_budget_micro_batches(batch, max_tokens, length_multiple)
+
+
 def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_size: int,
                   temperature: float, loss_fn: LossFn | None, forward_only: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -73,6 +90,7 @@ def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_siz
         raise ValueError("vocab_size (the real, unpadded vocabulary) is needed for an LM head")
     for micro_batch in micro_batches:
         check_batch(micro_batch)
+    # With variable shapes (a token budget) Megatron sends each shape ahead between stages.
     batch_size, seq_length = micro_batches[0]["input_ids"].shape
     return get_forward_backward_func()(
         forward_step_func=partial(_forward_step, head, vocab_size, temperature, loss_fn),
@@ -100,15 +118,17 @@ def _broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device) -> to
 
 @torch.no_grad()
 def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str = "lm",
-                    vocab_size: int | None = None, temperature: float = 1.0) -> dict:
+                    vocab_size: int | None = None, temperature: float = 1.0,
+                    max_tokens: int = 0) -> dict:
     """Forward-only per-token outputs for this rank's rows of `batch` (all PP stages get them).
     head="lm" gives {'logprobs', 'entropy'} (of logits / temperature); head="scalar" gives
-    {'values'}; each [n, s] fp32."""
+    {'values'}; each [n, s] fp32. max_tokens > 0: token-budget micro-batches instead of
+    `micro_batch_size` rows."""
     from megatron.core import parallel_state
 
     for chunk in chunks:
         chunk.eval()
-    micro_batches = split_micro_batches(batch, micro_batch_size)
+    micro_batches, order = _micro_batches(chunks, batch, micro_batch_size, max_tokens)
     per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None,
                                     True)
     names = ("values",) if head == "scalar" else ("logprobs", "entropy")
@@ -116,15 +136,28 @@ def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str
     last_stage = parallel_state.is_pipeline_last_stage()
     results = {}
     for name in names:
-        local = torch.cat([out[name] for out in per_micro_batch]) if last_stage else None
+        local = _in_batch_order([out[name] for out in per_micro_batch], order, shape) \
+            if last_stage else None
         results[name] = _broadcast_from_last_stage(local, shape, batch["input_ids"].device)
     return results
 
 
+def _in_batch_order(outputs: list[torch.Tensor], order: torch.Tensor | None,
+                    shape: tuple) -> torch.Tensor:
+    """Per-micro-batch [b_i, s_i] outputs as one [n, s] tensor in the batch's row order."""
+    if order is None:
+        return torch.cat(outputs)
+    result = outputs[0].new_zeros(shape)
+    result[order] = torch.cat([torch.nn.functional.pad(out, (0, shape[1] - out.shape[1]))
+                               for out in outputs])
+    return result
+
+
 def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
                head: str = "lm", vocab_size: int | None = None,
-               temperature: float = 1.0) -> dict:
-    """One optimizer step on this rank's rows of `batch`. Returns metrics identical on every
+               temperature: float = 1.0, max_tokens: int = 0) -> dict:
+    """One optimizer step on this rank's rows of `batch` (micro-batches of `micro_batch_size`
+    rows, or of at most `max_tokens` tokens when > 0). Returns metrics identical on every
     rank: the global loss (sum of numerators / sum of denominators over DP), the loss function's
     metrics (mean over micro-batches and DP ranks), grad norm, LR, and whether the update was
     skipped because the loss or a gradient was not finite (then nothing changes)."""
@@ -132,7 +165,7 @@ def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_
         chunk.train()
         chunk.zero_grad_buffer()
     model.optimizer.zero_grad()
-    micro_batches = split_micro_batches(batch, micro_batch_size)
+    micro_batches, _ = _micro_batches(model.chunks, batch, micro_batch_size, max_tokens)
     per_micro_batch = _run_schedule(model.chunks, micro_batches, head, vocab_size, temperature,
                                     loss_fn, False)
     metrics = _reduce_metrics(per_micro_batch, batch["input_ids"].device)

@@ -1,0 +1,42 @@
+"""One rank of a token-budget world (run by tests/test_token_budget.py): the same model and
+batch scored and trained with fixed micro-batches and with token-budget micro-batches."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import BatchConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from mcore_rl.models import build_gpt_model
+from mcore_rl.runtime import initialize, seed_everything, shutdown
+from mcore_rl.smoke import next_token_loss, random_batch
+from mcore_rl.training import compute_outputs, make_trainable, train_step
+
+ROWS, LENGTH, VOCAB = 8, 24, 64
+
+
+def compare_micro_batching(out_path: str, pipeline: int, max_tokens: int) -> None:
+    config = JobConfig(model=ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                                         num_attention_heads=4, num_kv_heads=2,
+                                         vocab_size=VOCAB, max_position_embeddings=32),
+                       parallel=ParallelConfig(pipeline_model_parallel_size=pipeline),
+                       optimizer=OptimizerConfig(lr=1e-2),
+                       batch=BatchConfig(global_batch_size=ROWS, micro_batch_size=2,
+                                         seq_length=LENGTH))
+    initialize(config)
+    batch = random_batch(config, 0)
+    results = {}
+    for name, budget in (("fixed", 0), ("budget", max_tokens)):
+        seed_everything(config.runtime.seed)
+        trainable = make_trainable(build_gpt_model(config.model, config.parallel),
+                                   config.optimizer, "fp32")
+        outputs = compute_outputs(trainable.chunks, batch, 2, "lm", VOCAB, max_tokens=budget)
+        metrics = train_step(trainable, batch, 2, next_token_loss, "lm", VOCAB,
+                             max_tokens=budget)
+        after = compute_outputs(trainable.chunks, batch, 2, "lm", VOCAB, max_tokens=budget)
+        results[name] = {"logprobs": outputs["logprobs"], "entropy": outputs["entropy"],
+                         "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                         "logprobs_after": after["logprobs"]}
+    if dist.get_rank() == 0:
+        torch.save({"results": results, "batch": batch}, out_path)
+    shutdown()
