@@ -168,3 +168,12 @@ def train_and_export(out_path: str, overrides: list[str]) -> None:
     if dist.get_rank() == 0:
         torch.save({"hf_dir": hf_dir, "input_ids": input_ids, "logprobs": logprobs}, out_path)
     trainer.close()
+
+
+def train_steps(out_path: str, overrides: list[str], steps: int) -> None:
+    """`steps` training steps; rank 0 saves their metrics."""
+    trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    history = [trainer.train_step() for _ in range(steps)]
+    if dist.get_rank() == 0:
+        torch.save(history, out_path)
+    trainer.close()

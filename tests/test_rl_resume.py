@@ -111,3 +111,4 @@ def test_preemption_signal_saves_and_stops_every_rank(tmp_path, tokenizer_dir, r
     assert comparable(ranks[0]["history"][0]) == comparable(reference[0])
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_00000001"]
     assert ranks[1]["children"] > 0 and ranks[1]["children_alive"]
+

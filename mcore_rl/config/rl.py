@@ -147,6 +147,11 @@ class TrainerConfig:
     mini_batches: int = 1
     """Optimizer steps per epoch: the batch is cut into this many mini-batches."""
 
+    balance_data_parallel: bool = False
+    """Before the update, move rows between data-parallel ranks so that each holds about the
+    same number of tokens (long-tail response lengths otherwise leave all ranks waiting for
+    the one with the longest responses); rows per rank stay equal (verl's balance_batch)."""
+
     save_every: int = 0
     """Save a checkpoint every this many steps (and at the end); 0: never."""
 

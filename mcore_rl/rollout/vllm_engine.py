@@ -121,7 +121,12 @@ class VllmEngine(RolloutEngine):
     def _sampling_params(self, sampling: SamplingConfig, offset: int):
         from vllm import SamplingParams
 
-        seed = (self.seed if sampling.seed is None else sampling.seed) * 7919 + offset
+        # Each engine instance (a group of rollout_tp consecutive ranks) draws its own stream:
+        # with one seed everywhere, request i of every instance would share its random numbers
+        # and the data-parallel ranks' samples would be correlated.
+        instance = dist.get_rank() // self.rollout_tp
+        base = self.seed if sampling.seed is None else sampling.seed
+        seed = (base * 7919 + instance * 1_000_003 + offset) % 2 ** 63
         return SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,

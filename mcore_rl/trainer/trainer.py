@@ -32,6 +32,7 @@ from mcore_rl.evaluation import EvalSamples, Evaluator, default_evaluators, run_
 from mcore_rl.rewards import RewardResult
 from mcore_rl.runtime import initialize, print0, shutdown
 from mcore_rl.runtime.launch_env import read_launch_env
+from mcore_rl.training.balance import balance_over_data_parallel
 from mcore_rl.training.batches import pad_rows_to_multiple
 from mcore_rl.training.offload import HostParking
 
@@ -146,7 +147,18 @@ class Trainer:
         with timer("advantages"):
             self._advantages(batch, stats)
         _rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats)
+        if self.config.trainer.balance_data_parallel:
+            with timer("balance"):
+                batch = self._balanced(batch, stats)
         return Experience(batch, stats, timer, started)
+
+    def _balanced(self, batch: dict, stats: SumsAndCounts) -> dict:
+        """The batch with rows moved between data-parallel ranks so that each holds about the
+        same number of tokens for the update (groups and advantages are already computed)."""
+        batch, balance = balance_over_data_parallel(batch, self.dp_group)
+        for name, value in balance.items():  # identical on every rank: the mean is the value
+            stats.add(name, torch.tensor([float(value)]))
+        return batch
 
     def _rollout(self, records: list, token_ids: list, timer: PhaseTimer,
                  round_index: int = 0) -> Rollout:
