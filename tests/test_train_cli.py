@@ -90,3 +90,14 @@ def test_malformed_dataset_line_is_named(tmp_path):
                   port=29563)
     assert done.returncode != 0
     assert f"{data} line 2" in done.stderr, done.stderr[-3000:]
+
+
+def test_rerun_over_an_earlier_run_without_checkpoint_is_refused(tmp_path):
+    """A new run must not append to another run's logs: with metrics.jsonl present and no
+    checkpoint to resume from, the job stops before building anything, naming the directory."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "wall_time": 0.0, "reward/mean": 0.5}\n')
+    done = launch("trainer.save_every=0", f"runtime.output_dir={tmp_path}", port=29564)
+    assert done.returncode != 0
+    assert (f"runtime.output_dir={tmp_path} holds an earlier run ({tmp_path}/metrics.jsonl) and "
+            "no checkpoint to resume from") in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "config.yaml").exists()

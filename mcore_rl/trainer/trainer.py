@@ -31,6 +31,7 @@ from mcore_rl.config.rollout import PromptConfig
 from mcore_rl.evaluation import EvalSamples, Evaluator, default_evaluators, run_evaluators
 from mcore_rl.rewards import RewardResult
 from mcore_rl.runtime import initialize, print0, shutdown
+from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.launch_env import read_launch_env
 from mcore_rl.training.balance import balance_over_data_parallel
 from mcore_rl.training.batches import pad_rows_to_multiple
@@ -87,6 +88,8 @@ class Trainer:
         self.preempted = False
         """Whether fit() stopped early on trainer.save_signal (after saving)."""
         self.runtime = initialize(config, launch)
+        self.checkpoint_dir = os.path.join(config.runtime.output_dir, "checkpoints")
+        self._refuse_to_mix_runs()
         from megatron.core import parallel_state
 
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -117,7 +120,6 @@ class Trainer:
         if dist.get_rank() == 0:
             _write_atomically(os.path.join(config.runtime.output_dir, "config.yaml"),
                               to_yaml(config))
-        self.checkpoint_dir = os.path.join(config.runtime.output_dir, "checkpoints")
         if config.trainer.resume:
             self._resume()
         self.preemption.arm()
@@ -479,6 +481,22 @@ class Trainer:
         return save_training_state(self.checkpoint_dir, self.step, self._trained_models(), state,
                                    to_yaml(self.config), self.config.trainer.keep_last,
                                    rank_state={"pending_rollout": self.pending_rollout})
+
+    def _refuse_to_mix_runs(self) -> None:
+        """A run with nothing to resume must not append to an earlier run's logs (rank 0 looks,
+        every rank raises)."""
+        from mcore_rl.checkpoint.training_state import latest_checkpoint
+        from mcore_rl.evaluation import METRICS_FILE
+
+        output_dir = self.config.runtime.output_dir
+        metrics = os.path.join(output_dir, METRICS_FILE)
+        problems = []
+        if dist.get_rank() == 0 and os.path.isfile(metrics) and os.path.getsize(metrics) and not (
+                self.config.trainer.resume and latest_checkpoint(self.checkpoint_dir)):
+            problems.append(f"runtime.output_dir={output_dir} holds an earlier run ({metrics}) "
+                            f"and no checkpoint to resume from (or trainer.resume=false); "
+                            f"choose another runtime.output_dir or delete that one")
+        raise_on_any_rank(problems, FileExistsError, "")
 
     def _resume(self) -> None:
         from mcore_rl.checkpoint.training_state import load_latest_training_state
