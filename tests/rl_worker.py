@@ -160,7 +160,8 @@ def train_and_export(out_path: str, overrides: list[str]) -> None:
     a fixed batch for the test to compare with transformers on the export."""
     trainer = Trainer(load_config(TOY_CONFIG, overrides))
     trainer.train_step()
-    hf_dir = trainer.export_hf()
+    trainer.export_hf()
+    hf_dir = trainer.export_hf()  # as after a resume: the step's earlier export is replaced
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, 16, (16, 10), generator=generator)  # one micro-batch
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}

@@ -24,10 +24,12 @@ from .build import hf_architecture
 
 
 def export_actor_to_hf(config: JobConfig, module, tokenizer, out_dir: str) -> str:
-    """Write this rank's actor stage `module` into the HF folder `out_dir` (collective; refuses
-    an existing folder)."""
-    if os.path.exists(out_dir):
-        raise FileExistsError(f"HF export {out_dir} already exists; refusing to overwrite it")
+    """Write this rank's actor stage `module` into the HF folder `out_dir` (collective). An
+    existing folder is replaced: it is from a run that died after exporting this step and
+    before checkpointing it, and the resumed run has just trained the step again."""
+    if dist.get_rank() == 0 and os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    dist.barrier()
     architecture = hf_architecture(config)
     weights_dir = out_dir + ".mcore"
     save_weights(weights_dir, local_parameters(module), config.model, megatron_coordinates(),
