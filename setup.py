@@ -30,6 +30,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout"],
         "vllm": ["vllm>=0.32,<0.33"],  # mcore_rl.rollout.vllm_engine.SUPPORTED_VLLM
         "te": ["transformer-engine[pytorch]"],
+        "wandb": ["wandb>=0.31,<0.32"],  # trainer.wandb_project
     },
     entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli:main"]},
 )

@@ -1,6 +1,7 @@
 """`mcore-rl` command line: one sub-command per job.
 
     mcore-rl train --config configs/grpo_toy.yaml trainer.total_steps=50
+    mcore-rl sft --config configs/quickstart/sft.yaml sft.epochs=3
     mcore-rl smoke --config configs/smoke.yaml parallel.tensor_model_parallel_size=2
     mcore-rl convert hf-to-mcore --hf PATH --out DIR --tp N --pp M
     mcore-rl convert mcore-to-hf --ckpt DIR --out PATH
@@ -36,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="RL training (PPO, GRPO and relatives)")
     train.add_argument("--config", help="YAML config file (defaults apply when omitted)")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    sft = commands.add_parser("sft", help="supervised fine-tuning on demonstrations")
+    sft.add_argument("--config", help="YAML config file (defaults apply when omitted)")
+    sft.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
     convert = commands.add_parser("convert", help="HF <-> Megatron checkpoint conversion")
     directions = convert.add_subparsers(dest="direction", required=True)
@@ -126,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "smoke":
             from .smoke import run_smoke
             run_smoke(load_config(args.config, args.overrides))
+        elif args.command == "sft":
+            from .sft import run_sft
+            run_sft(load_config(args.config, args.overrides))
         elif args.command == "train":
             from .trainer import PREEMPTED_EXIT_CODE, Trainer
             trainer = Trainer(load_config(args.config, args.overrides))

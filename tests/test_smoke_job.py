@@ -1,4 +1,4 @@
-"""The README's main job through the real launcher: scripts/torchrun.sh with 4 CPU ranks at
+"""The distributed smoke job through the real launcher: scripts/torchrun.sh with 4 CPU ranks at
 TP2 x PP2, in fp32 and bf16."""
 
 import math

@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .algorithm import AlgorithmConfig
-from .data import DataConfig
+from .data import CHAT_TEMPLATE_MODES, DataConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
 from .reward import RewardConfig
 from .rl import CriticConfig, ReferenceConfig, RoleConfig, RolloutConfig, TrainerConfig
 from .runtime import RuntimeConfig
+from .sft import SftConfig
 from .training import BatchConfig, OptimizerConfig
 
 
@@ -90,6 +91,9 @@ class JobConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     """RL: rule-based reward functions and their sandbox."""
 
+    sft: SftConfig = field(default_factory=SftConfig)
+    """Supervised fine-tuning on demonstrations (`mcore-rl sft`)."""
+
 
 def validate(config: JobConfig, world_size: int) -> JobConfig:
     """Check every rule that can be checked before a process group exists; raise ConfigError
@@ -138,6 +142,19 @@ def validate_rl(config: JobConfig, world_size: int) -> JobConfig:
                           f"parameters)")
     if errors:
         raise ConfigError("invalid RL configuration (world size %d):\n  - %s"
+                          % (world_size, "\n  - ".join(errors)))
+    return config
+
+
+def validate_sft(config: JobConfig, world_size: int) -> JobConfig:
+    """`validate` plus the rules of a supervised job."""
+    validate(config, world_size)
+    errors = config.sft.errors(config.parallel.data_parallel_size(world_size))
+    if config.data.chat_template_mode() not in CHAT_TEMPLATE_MODES:
+        errors.append(f"data.apply_chat_template={config.data.apply_chat_template!r} must be "
+                      f"one of {', '.join(CHAT_TEMPLATE_MODES)}")
+    if errors:
+        raise ConfigError("invalid SFT configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
     return config
 

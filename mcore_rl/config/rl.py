@@ -8,6 +8,7 @@ when a KL term is used); no flag switches a role on or off behind the algorithm'
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 from dataclasses import dataclass, field
 from typing import Optional
@@ -17,6 +18,8 @@ from .training import OptimizerConfig
 
 ENGINES = ("vllm", "megatron")
 OVERLONG_RESPONSES = ("keep", "filter", "penalty")
+WANDB_MISSING = ("trainer.wandb_project is set but wandb is not installed: pip install wandb "
+                 "(or unset trainer.wandb_project)")
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,15 @@ class TrainerConfig:
     tensorboard: bool = True
     """Write metrics to output_dir/tensorboard (rank 0)."""
 
+    wandb_project: Optional[str] = None
+    """Weights & Biases project: when set, rank 0 also logs every step and evaluation metric
+    there, with the job's config (runs go under output_dir/wandb). Needs `pip install wandb`
+    (checked at start-up) and `wandb login` or WANDB_API_KEY; WANDB_MODE=offline logs locally
+    for a later `wandb sync`; WANDB_ENTITY picks the team. None: no W&B."""
+
+    wandb_run_name: Optional[str] = None
+    """Name of the W&B run; None: the last component of runtime.output_dir."""
+
     plots: bool = True
     """At the end of fit(), PNG plots of reward, accuracy and KL over steps into
     output_dir/plots (rank 0; also `mcore-rl plot RUN_DIR`)."""
@@ -195,12 +207,21 @@ class TrainerConfig:
         for name in ("save_every", "eval_every", "export_hf_every"):
             if getattr(self, name) < 0:
                 errors.append(f"trainer.{name}={getattr(self, name)} must be >= 0")
+        errors += self._wandb_errors()
         if self.save_signal is not None:
             try:
                 signal_from_name(self.save_signal)
             except ValueError as error:
                 errors.append(f"trainer.save_signal: {error}")
         return errors
+
+    def _wandb_errors(self) -> list[str]:
+        if self.wandb_project is None:
+            return (["trainer.wandb_run_name is set but trainer.wandb_project is not"]
+                    if self.wandb_run_name is not None else [])
+        if not self.wandb_project:
+            return ["trainer.wandb_project must not be empty (leave it unset for no W&B)"]
+        return [] if importlib.util.find_spec("wandb") else [WANDB_MISSING]
 
 
 def signal_from_name(name: str) -> signal.Signals:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..checkpoint.weights_io import RankCoordinates, save_weights
 from ..config import ModelConfig
 from ..parallel import sharding
+from ..runtime.progress import progress
 from .architectures import Architecture, architecture_for
 from .hf_reader import HFCheckpoint
 
@@ -59,8 +60,9 @@ def local_shards_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConfi
     """This rank's local shards (LM head), streamed tensor by tensor. Shards are copies, so
     each full tensor is freed as soon as it has been cut."""
     shards = {}
-    for local, canonical in sharding.stage_params(model, coordinates.pp_size,
-                                                  coordinates.pp_rank).items():
+    params = sharding.stage_params(model, coordinates.pp_size, coordinates.pp_rank)
+    for local, canonical in progress(params.items(), total=len(params), desc="hf->mcore",
+                                     unit="tensor"):
         full = canonical_from_hf(hf, arch, model, canonical)
         shard = sharding.split_for_tp(canonical, full, model, coordinates.tp_size,
                                       coordinates.tp_rank)

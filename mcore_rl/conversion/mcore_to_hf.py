@@ -21,6 +21,7 @@ from ..checkpoint.sharded_weights import full_tensor_request, stored_shape
 from ..checkpoint.weights_io import read_metadata
 from ..config import ModelConfig
 from ..parallel import sharding
+from ..runtime.progress import progress
 from .architectures import ARCHITECTURES, Architecture
 
 DEFAULT_MAX_FILE_BYTES = 2 * 1024 ** 3
@@ -82,17 +83,20 @@ def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, architecture: str | None = 
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     dist.barrier()
-    for first in range(0, len(files), world):
-        index = first + rank
-        # Every rank joins every (collective) load; a rank without a file loads the tiny norm.
-        names = files[index] if index < len(files) else [sharding.FINAL_NORM]
-        canonical = load_canonical(ckpt_dir, names, model)
-        if index < len(files):
-            hf_tensors = {}
-            for name in names:
-                hf_tensors.update(arch.from_canonical(name, canonical.pop(name), model))
-            save_file(hf_tensors, os.path.join(staging, _file_name(index, len(files))),
-                      metadata={"format": "pt"})
+    # Rank 0's bar counts a round's files as written when its own is (the others' are similar).
+    with progress(total=len(files), desc="mcore->hf", unit="file") as bar:
+        for first in range(0, len(files), world):
+            index = first + rank
+            # Every rank joins every (collective) load; a rank without a file loads the tiny norm.
+            names = files[index] if index < len(files) else [sharding.FINAL_NORM]
+            canonical = load_canonical(ckpt_dir, names, model)
+            if index < len(files):
+                hf_tensors = {}
+                for name in names:
+                    hf_tensors.update(arch.from_canonical(name, canonical.pop(name), model))
+                save_file(hf_tensors, os.path.join(staging, _file_name(index, len(files))),
+                          metadata={"format": "pt"})
+            bar.update(min(world, len(files) - first))
     dist.barrier()
     if rank == 0:
         weight_map = {hf_name: _file_name(index, len(files))

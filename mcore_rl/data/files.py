@@ -32,7 +32,9 @@ def read_prompt_file(path: str, prompt_key: str, on_bad_row: str,
     if not os.path.isfile(path):
         raise DataError(f"{path}: prompt file not found")
     records, skipped, seen = [], 0, 0
-    for where, row in _rows(path, prompt_key):
+    required = {prompt_key: "set data.prompt_key to the prompt column",
+                "data_source": "the reward is chosen by it"}
+    for where, row in iter_rows(path, (prompt_key,) + RECORD_COLUMNS, required):
         seen += 1
         try:
             if isinstance(row, BadRow):
@@ -50,15 +52,18 @@ def read_prompt_file(path: str, prompt_key: str, on_bad_row: str,
     return records, skipped
 
 
-def _rows(path: str, prompt_key: str) -> Rows:
+def iter_rows(path: str, columns: tuple[str, ...], required: dict[str, str]) -> Rows:
+    """(where, row) pairs of a parquet, JSON-lines or JSON-array file. Parquet reads only
+    `columns` and fails fast when one of `required` (column -> why it is needed) is missing;
+    JSON rows are checked by the caller."""
     if path.lower().endswith(".parquet"):
-        return _parquet_rows(path, prompt_key)
+        return _parquet_rows(path, columns, required)
     if path.lower().endswith(".json") and _starts_with(path, b"["):
         return _json_array_rows(path)
     return _json_lines_rows(path)
 
 
-def _parquet_rows(path: str, prompt_key: str) -> Rows:
+def _parquet_rows(path: str, columns: tuple[str, ...], required: dict[str, str]) -> Rows:
     import pyarrow.parquet as pq
 
     try:
@@ -66,15 +71,12 @@ def _parquet_rows(path: str, prompt_key: str) -> Rows:
     except Exception as error:  # pyarrow raises ArrowInvalid, OSError, ...
         raise DataError(f"{path}: not a readable parquet file: {error}") from None
     names = parquet.schema_arrow.names
-    if prompt_key not in names:
-        raise DataError(f"{path}: no {prompt_key!r} column (columns: {names}); set "
-                        "data.prompt_key to the prompt column")
-    if "data_source" not in names:
-        raise DataError(f"{path}: no 'data_source' column (columns: {names}); the reward is "
-                        "chosen by it")
-    columns = [name for name in (prompt_key,) + RECORD_COLUMNS if name in names]
+    for column, why in required.items():
+        if column not in names:
+            raise DataError(f"{path}: no {column!r} column (columns: {names}); {why}")
+    present = [name for name in columns if name in names]
     row_number = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=columns):
+    for batch in parquet.iter_batches(batch_size=1024, columns=present):
         for row in batch.to_pylist():
             yield f"{path} row {row_number}", row
             row_number += 1

@@ -26,15 +26,22 @@ TOY_MAX_LENGTH = 64
 def write_toy_tokenizer(folder: str) -> str:
     """Write tokenizer.json and tokenizer_config.json of the toy vocabulary into `folder`
     (created if needed); returns `folder`."""
+    return write_word_tokenizer(folder, TOY_VOCAB)
+
+
+def write_word_tokenizer(folder: str, vocabulary: tuple[str, ...],
+                         max_length: int = TOY_MAX_LENGTH) -> str:
+    """A whitespace word-level HF tokenizer (token id = position in `vocabulary`, which must
+    start with PAD_TOKEN, EOS_TOKEN and contain UNK_TOKEN) written into `folder`."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {token: token_id for token_id, token in enumerate(TOY_VOCAB)}
+    vocab = {token: token_id for token_id, token in enumerate(vocabulary)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        unk_token=UNK_TOKEN, model_max_length=TOY_MAX_LENGTH)
+        unk_token=UNK_TOKEN, model_max_length=max_length)
     os.makedirs(folder, exist_ok=True)
     fast.save_pretrained(folder)
     return folder

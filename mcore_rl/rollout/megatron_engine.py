@@ -27,6 +27,7 @@ import torch.distributed as dist
 from mcore_rl.config.model import ModelConfig
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.models.weights import local_parameters
+from mcore_rl.runtime.progress import progress
 
 from .engine import Completion, EngineError, Generation, RolloutEngine
 from .prompt_pool import pool_requests
@@ -83,10 +84,11 @@ class MegatronEngine(RolloutEngine):
         rows = [(index, sample) for index in range(len(requests.prompts))
                 for sample in range(sampling.n)]
         completions = []
-        for start in range(0, len(rows), self.max_batch_size):
-            chunk = rows[start:start + self.max_batch_size]
-            completions += self._generate_batch([requests.prompts[i] for i, _ in chunk], chunk,
-                                                sampling, generator)
+        with progress(total=len(rows), desc="generate", unit="resp", leave=False) as bar:
+            for start in range(0, len(rows), self.max_batch_size):
+                chunk = rows[start:start + self.max_batch_size]
+                completions += self._generate_batch([requests.prompts[i] for i, _ in chunk],
+                                                    chunk, sampling, generator, bar)
         mine = requests.mine
         own = [Completion(c.prompt_index - mine.start, c.sample_index, c.token_ids, c.logprobs,
                           c.finish_reason)
@@ -95,7 +97,10 @@ class MegatronEngine(RolloutEngine):
 
     @torch.inference_mode()
     def _generate_batch(self, prompts: list[list[int]], rows: list[tuple[int, int]],
-                        sampling: SamplingConfig, generator: torch.Generator) -> list[Completion]:
+                        sampling: SamplingConfig, generator: torch.Generator,
+                        bar) -> list[Completion]:
+        """bar: advanced by the responses that finish (counted with the loop's existing
+        device-to-host sync, so the bar costs no extra one)."""
         wrapper = self._inference_wrapper(len(prompts), max(map(len, prompts))
                                           + sampling.max_new_tokens)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
@@ -109,7 +114,7 @@ class MegatronEngine(RolloutEngine):
         logprobs = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
         generated = torch.zeros(len(prompts), dtype=torch.long, device=self.device)
         stopped = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
-        start, end = 0, int(lengths.min())
+        start, end, finished = 0, int(lengths.min()), 0
         while True:
             window = wrapper.get_batch_for_context_window(inputs, start, end)
             last_logits = self._last_token_logits(wrapper, window, len(prompts))
@@ -119,7 +124,10 @@ class MegatronEngine(RolloutEngine):
             logprobs[active, end] = next_logprobs[active]
             generated += active.long()
             stopped |= active & torch.isin(next_tokens, stop_ids)
-            if bool((stopped | (generated >= sampling.max_new_tokens)).all()):
+            done = int((stopped | (generated >= sampling.max_new_tokens)).sum())
+            bar.update(done - finished)
+            finished = done
+            if done == len(prompts):
                 break
             if bool((lengths <= end).all()):
                 wrapper.inference_context.enable_decode_mode()

@@ -37,6 +37,7 @@ from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.conversion.architectures import Architecture
 from mcore_rl.resharding.delivery import hf_named
 from mcore_rl.runtime.agreement import raise_on_any_rank
+from mcore_rl.runtime.progress import progress, progress_enabled
 
 from .engine import Completion, EngineError, Generation, RolloutEngine
 from .prompt_pool import default_shard_key, pool_requests
@@ -106,7 +107,7 @@ class VllmEngine(RolloutEngine):
             [{"prompt_token_ids": prompt} for prompt in requests.prompts],
             [self._sampling_params(each, call_seed + index)
              for index, each in enumerate(requests.samplings)],
-            use_tqdm=False)
+            use_tqdm=_vllm_progress if progress_enabled() else False)
         mine = requests.mine
         completions = [
             Completion(index - mine.start, sample, list(output.token_ids),
@@ -158,6 +159,15 @@ class VllmEngine(RolloutEngine):
         """Shut the engine core down now, while the process group it shares still exists
         (vLLM would otherwise do it at interpreter exit, after the trainer's shutdown)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def _vllm_progress(iterable=None, **tqdm_kwargs):
+    """vLLM's `use_tqdm` factory: its "Processed prompts" bar (with token throughput) drawn
+    through mcore_rl's progress, cleared when done; its "Adding requests" pass, over an
+    iterable, takes no time and gets no bar."""
+    if iterable is not None:
+        return iterable
+    return progress(leave=False, **tqdm_kwargs)
 
 
 def _sleep_mode_available() -> bool:

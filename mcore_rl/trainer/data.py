@@ -95,22 +95,31 @@ class TrainingData:
 
 
 def load_tokenizer(config: JobConfig):
-    """data.tokenizer, else the initial HF folder's; the toy task alone brings its own."""
-    path = config.data.tokenizer or config.init.hf_path
+    """data.tokenizer, else the initial HF folder's or checkpoint's; the toy task alone brings
+    its own."""
+    path = config.data.tokenizer or config.init.hf_path or _checkpoint_tokenizer(config)
     if not path and _only_toy_prompts(config):
         path = os.path.join(config.runtime.output_dir, "toy_tokenizer")
         if dist.get_rank() == 0:
             write_toy_tokenizer(path)
         dist.barrier()
     if not path:
-        raise ConfigError("data.tokenizer is not set and there is no init.hf_path to take the "
-                          "tokenizer from")
+        raise ConfigError("data.tokenizer is not set and there is no init.hf_path or init "
+                          "checkpoint with a tokenizer/ folder to take the tokenizer from")
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:
         raise ConfigError(f"data.tokenizer: cannot load a tokenizer from {path}: {error}") \
             from error
+
+
+def _checkpoint_tokenizer(config: JobConfig) -> str | None:
+    """The tokenizer folder that travels with the init checkpoint, if it has one."""
+    if not config.init.checkpoint:
+        return None
+    folder = os.path.join(config.init.checkpoint, "tokenizer")
+    return folder if os.path.isdir(folder) else None
 
 
 def _only_toy_prompts(config: JobConfig) -> bool:

@@ -15,7 +15,7 @@ import shutil
 
 import torch.distributed as dist
 
-from mcore_rl.checkpoint.weights_io import megatron_coordinates, save_weights
+from mcore_rl.checkpoint.weights_io import megatron_coordinates, read_metadata, save_weights
 from mcore_rl.config import JobConfig
 from mcore_rl.conversion.mcore_to_hf import convert_mcore_to_hf
 from mcore_rl.models.weights import local_parameters
@@ -30,32 +30,36 @@ def export_actor_to_hf(config: JobConfig, module, tokenizer, out_dir: str) -> st
     if dist.get_rank() == 0 and os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     dist.barrier()
-    architecture = hf_architecture(config)
+    metadata = hf_metadata(config)
     weights_dir = out_dir + ".mcore"
     save_weights(weights_dir, local_parameters(module), config.model, megatron_coordinates(),
-                 extra_metadata={"hf_architecture": architecture.name,
-                                 "hf_config": _initial_hf_config(config)},
-                 tokenizer_files=_tokenizer_files(tokenizer), overwrite=True)
-    convert_mcore_to_hf(weights_dir, out_dir, architecture.name)
+                 extra_metadata=metadata, tokenizer_files=tokenizer_files(tokenizer),
+                 overwrite=True)
+    convert_mcore_to_hf(weights_dir, out_dir, metadata["hf_architecture"])
     if dist.get_rank() == 0:
         shutil.rmtree(weights_dir)
     dist.barrier()
     return out_dir
 
 
-def _initial_hf_config(config: JobConfig) -> dict | None:
-    """The starting HF folder's config.json (kept fields such as token ids), if any."""
-    if not config.init.hf_path:
-        return None
-    with open(os.path.join(config.init.hf_path, "config.json")) as handle:
-        return json.load(handle)
+def hf_metadata(config: JobConfig) -> dict:
+    """What a weights checkpoint of this model keeps for the way back to HF: the architecture
+    and the starting model's config.json (fields such as token ids), from init.hf_path or the
+    init checkpoint."""
+    hf_config = None
+    if config.init.hf_path:
+        with open(os.path.join(config.init.hf_path, "config.json")) as handle:
+            hf_config = json.load(handle)
+    elif config.init.checkpoint:
+        hf_config = read_metadata(config.init.checkpoint).get("hf_config")
+    return {"hf_architecture": hf_architecture(config).name, "hf_config": hf_config}
 
 
 TOKENIZER_FILES = ("special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "generation_config.json")
 
 
-def _tokenizer_files(tokenizer) -> tuple[str, ...]:
+def tokenizer_files(tokenizer) -> tuple[str, ...]:
     """The tokenizer's files in its folder (which may be the initial model's, so weights and
     config.json are left out)."""
     folder = getattr(tokenizer, "name_or_path", "")

@@ -1,12 +1,17 @@
-"""Step metrics: phase timers, means over the data-parallel ranks, console and TensorBoard.
+"""Step metrics: phase timers, means over the data-parallel ranks, console, JSONL, TensorBoard
+and (optionally) Weights & Biases.
 
 Every rank computes its local sums; one all-reduce over the data-parallel group turns them into
 global means, so the numbers printed by rank 0 describe the whole batch, not rank 0's share.
+wandb is an optional dependency: it is imported only when trainer.wandb_project is set, and the
+config validation (TrainerConfig.errors) refuses that setting without the package before any
+work starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 
@@ -93,18 +98,36 @@ def peak_memory_metrics() -> dict[str, float]:
     return {"memory/peak_resident_mb": peak_resident_mb()}
 
 
+def start_wandb(project: str, run_name: str | None, output_dir: str,
+                run_config: dict | None = None):
+    """A W&B run (rank 0) under output_dir/wandb; RuntimeError naming trainer.wandb_project
+    and the pip command when wandb cannot be imported."""
+    try:
+        import wandb
+    except ImportError as error:
+        from mcore_rl.config.rl import WANDB_MISSING
+        raise RuntimeError(f"{WANDB_MISSING} ({error})") from error
+    os.makedirs(output_dir, exist_ok=True)
+    name = run_name or os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
+    return wandb.init(project=project, name=name, dir=output_dir, config=run_config)
+
+
 class MetricsLogger:
-    """Rank 0 prints a line per step and writes TensorBoard scalars and the run directory's
-    JSONL files (metrics.jsonl per step, eval.jsonl per evaluation, read by `mcore-rl compare`
-    and `mcore-rl plot`); other ranks do nothing."""
+    """Rank 0 prints a line per step and writes TensorBoard scalars, the run directory's JSONL
+    files (metrics.jsonl per step, eval.jsonl per evaluation, read by `mcore-rl compare` and
+    `mcore-rl plot`) and, with wandb_project, the same metrics to W&B; other ranks do
+    nothing."""
 
     CONSOLE = ("reward/mean", "reward/accuracy", "actor/entropy", "actor/kl_to_reference",
                "actor/grad_norm", "critic/loss", "response/length_mean", "time/step",
-               "throughput/tokens_per_second")
+               "sft/loss", "sft/val_loss", "throughput/tokens_per_second")
 
-    def __init__(self, output_dir: str, tensorboard: bool):
+    def __init__(self, output_dir: str, tensorboard: bool, wandb_project: str | None = None,
+                 wandb_run_name: str | None = None, run_config: dict | None = None):
+        """run_config: the job's config as a dict, recorded with the W&B run."""
         self.active = not dist.is_initialized() or dist.get_rank() == 0
         self.writer = None
+        self.wandb_run = None
         self.jsonl = {}
         if self.active:
             from mcore_rl.evaluation import EVAL_FILE, METRICS_FILE, JsonlWriter
@@ -114,6 +137,16 @@ class MetricsLogger:
         if self.active and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if self.active and wandb_project:
+            self.wandb_run = start_wandb(wandb_project, wandb_run_name, output_dir, run_config)
+
+    @classmethod
+    def for_job(cls, config) -> "MetricsLogger":
+        """The logger a JobConfig asks for (runtime.output_dir, trainer.tensorboard,
+        trainer.wandb_project / wandb_run_name, the config itself recorded with the W&B run)."""
+        trainer = config.trainer
+        return cls(config.runtime.output_dir, trainer.tensorboard, trainer.wandb_project,
+                   trainer.wandb_run_name, dataclasses.asdict(config))
 
     def log(self, step: int, metrics: dict[str, float], prefix: str = "step") -> None:
         """prefix: 'step' (training metrics) or 'eval'."""
@@ -127,9 +160,13 @@ class MetricsLogger:
             for name, value in metrics.items():
                 self.writer.add_scalar(name, value, step)
             self.writer.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(dict(metrics), step=step)
 
     def close(self) -> None:
         for writer in self.jsonl.values():
             writer.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

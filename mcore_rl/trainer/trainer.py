@@ -33,6 +33,7 @@ from mcore_rl.rewards import RewardResult
 from mcore_rl.runtime import initialize, print0, shutdown
 from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.launch_env import read_launch_env
+from mcore_rl.runtime.progress import progress
 from mcore_rl.training.balance import balance_over_data_parallel
 from mcore_rl.training.batches import pad_rows_to_multiple
 from mcore_rl.training.offload import HostParking
@@ -114,7 +115,7 @@ class Trainer:
         self.bad_steps = 0
         self.pending_rollout: Rollout | None = None
         """With async_rollout: the batch generated ahead for the next step (this rank's)."""
-        self.logger = MetricsLogger(config.runtime.output_dir, config.trainer.tensorboard)
+        self.logger = MetricsLogger.for_job(config)
         self.evaluators: list[Evaluator] = default_evaluators()
         """Run at every evaluation; `register_evaluator` adds more."""
         if dist.get_rank() == 0:
@@ -289,13 +290,15 @@ class Trainer:
         every, total_steps = self.config.trainer.eval_every, self.config.trainer.total_steps
         if every and self.step == 0:
             self.logger.log(0, self.evaluate(), "eval")
-        while self.step < total_steps:
-            history.append(self.train_step())
-            if self.preemption.raised_anywhere():
-                self._save_for_requeue()
-                break
-            if every and (self.step % every == 0 or self.step == total_steps):
-                self.logger.log(self.step, self.evaluate(), "eval")
+        with progress(total=total_steps, initial=self.step, desc="train", unit="step") as bar:
+            while self.step < total_steps:
+                history.append(self.train_step())
+                bar.update(1)
+                if self.preemption.raised_anywhere():
+                    self._save_for_requeue()
+                    break
+                if every and (self.step % every == 0 or self.step == total_steps):
+                    self.logger.log(self.step, self.evaluate(), "eval")
         if self.config.trainer.plots and dist.get_rank() == 0:
             from mcore_rl.evaluation import plot_run
             paths = plot_run(self.config.runtime.output_dir)

@@ -1,0 +1,26 @@
+"""`python -m mcore_rl.quickstart prepare|report DIR`: the quickstart's first and last steps
+(scripts/quickstart.sh runs the conversion, SFT and GRPO between them)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .files import prepare, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mcore_rl.quickstart",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("step", choices=("prepare", "report"))
+    parser.add_argument("directory", help="the quickstart's directory (runs/quickstart)")
+    args = parser.parse_args(argv)
+    if args.step == "prepare":
+        prepare(args.directory)
+    else:
+        print(report(args.directory))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
