@@ -108,9 +108,12 @@ def engine_checks(engine, module, sync, prompts: list) -> dict:
     return found
 
 
-def run(out_path: str, config_dir: str, training_tp: int) -> None:
+def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool = False) -> None:
     """training_tp=2: both ranks hold one data shard (all PROMPTS); training_tp=1: two DP
-    ranks with two prompts each, which the TP2 vLLM group must pool and hand back."""
+    ranks with two prompts each, which the TP2 vLLM group must pool and hand back.
+    tie_embeddings: the output layer is the embedding (SmolLM2, Llama 3.2 1B/3B)."""
+    global MODEL
+    MODEL = dataclasses.replace(MODEL, tie_embeddings=tie_embeddings)  # this rank's process only
     parallel = ParallelConfig(tensor_model_parallel_size=training_tp)
     initialize(JobConfig(model=MODEL, parallel=parallel,
                          batch=BatchConfig(global_batch_size=2, micro_batch_size=1,

@@ -20,13 +20,16 @@ pytestmark = pytest.mark.skipif(
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", params=[2, 1], ids=["tp2", "dp2"])
+@pytest.fixture(scope="module", params=[(2, False), (1, False), (2, True)],
+                ids=["tp2", "dp2", "tp2_tied_embeddings"])
 def results(request, tmp_path_factory):
     from rollout_worker import run
 
     folder = tmp_path_factory.mktemp("rollout")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    run_world(2, run, str(folder / "results.pt"), str(folder / "engine_config"), request.param)
+    training_tp, tie_embeddings = request.param
+    run_world(2, run, str(folder / "results.pt"), str(folder / "engine_config"), training_tp,
+              tie_embeddings)
     return torch.load(folder / "results.pt")
 
 
@@ -120,3 +123,20 @@ def test_engine_that_cannot_start_says_why_on_every_rank(results):
     for message in _both_ranks(results, "vllm_bad_start"):
         assert message.startswith("vLLM engine not started: rank 0: ")
         assert "missing/config.json does not exist" in message and "rank 1:" in message
+
+
+def test_engine_config_folder_leaves_stop_tokens_to_the_request(tmp_path):
+    """Without a generation_config.json, vLLM derives one from config.json, where transformers
+    fills in Llama's default eos_token_id 2, and stops at that token as well (in the toy
+    vocabulary "copy", in Llama 3 "#")."""
+    from vllm.transformers_utils.config import try_get_generation_config
+
+    from mcore_rl.config import ModelConfig
+    from mcore_rl.conversion.architectures import ARCHITECTURES
+    from mcore_rl.rollout.vllm_engine import write_config_folder
+
+    folder = write_config_folder(ModelConfig(), ARCHITECTURES["LlamaForCausalLM"],
+                                 str(tmp_path / "engine_config"))
+    assert try_get_generation_config(folder, trust_remote_code=False).eos_token_id is None
+    os.remove(os.path.join(folder, "generation_config.json"))
+    assert try_get_generation_config(folder, trust_remote_code=False).eos_token_id == 2

@@ -140,6 +140,8 @@ class VllmEngine(RolloutEngine):
         hf_tensors = hf_named(named_tensors, self.architecture, self.model)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_tensors,
                                                           "is_checkpoint_format": True})
+        if self.model.tie_embeddings and not torch.cuda.is_available():
+            self.llm.collective_rpc(_refresh_tied_lm_head)
 
     def sleep(self) -> None:
         """vLLM's sleep mode (level 1: weights to host memory, KV cache freed) where the platform
@@ -159,6 +161,15 @@ class VllmEngine(RolloutEngine):
         """Shut the engine core down now, while the process group it shares still exists
         (vLLM would otherwise do it at interpreter exit, after the trainer's shutdown)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def _refresh_tied_lm_head(worker) -> None:
+    """vLLM 0.32's CPU linear layers multiply through a oneDNN handle packed from the weights
+    when the model is built. A reload skips a tied lm_head (its tensor is the embedding's, so it
+    holds the new values), but nothing repacks its handle, which keeps the start-up dummy
+    weights: the engine would sample from noise. Repack it after every reload."""
+    lm_head = worker.model_runner.get_model().lm_head
+    lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
 def _vllm_progress(iterable=None, **tqdm_kwargs):
@@ -221,7 +232,13 @@ def write_config_folder(model: ModelConfig, architecture: Architecture, folder: 
     """An HF config folder describing `model`, enough for vLLM to build the model with
     placeholder weights (written to a temporary file, then renamed). Returns the folder."""
     os.makedirs(folder, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as handle:
-        json.dump(architecture.hf_config(model), handle, indent=2)
-    os.replace(handle.name, os.path.join(folder, "config.json"))
+    # Without a generation_config.json vLLM derives one from config.json, where transformers
+    # fills in the architecture's default eos_token_id (2 for Llama and Mistral), and stops at
+    # that token too. One without EOS leaves the stop tokens to the request (the trainer always
+    # passes the tokenizer's EOS in SamplingConfig.stop_token_ids).
+    for name, content in (("generation_config.json", {"eos_token_id": None}),
+                          ("config.json", architecture.hf_config(model))):
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as handle:
+            json.dump(content, handle, indent=2)
+        os.replace(handle.name, os.path.join(folder, name))
     return folder
