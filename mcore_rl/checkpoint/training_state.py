@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.heads import ScalarHead
+from ..training.optimizer import inner_optimizers
 
 if TYPE_CHECKING:
     from ..training.optimizer import TrainableModel
@@ -180,11 +181,6 @@ def _model_sharded_state_dict(gpt) -> dict:
     return gpt.sharded_state_dict(metadata=_sharding_metadata())
 
 
-def _optimizers(optimizer) -> list:
-    """The Megatron optimizers inside a (possibly chained) optimizer."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
 def _allocate_state_for_loading(optimizer) -> None:
     """Give a fresh DistributedOptimizer zeroed Adam state at step 0 before loading into it.
 
@@ -197,7 +193,7 @@ def _allocate_state_for_loading(optimizer) -> None:
 
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return
-    for inner in _optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         if not isinstance(inner, distrib_optimizer.DistributedOptimizer):
             continue
         if len(inner.optimizer.state) or inner.init_state_fn is None:
@@ -220,7 +216,7 @@ def _restore_steps(optimizer, loaded: dict) -> None:
 
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return
-    inners = _optimizers(optimizer)
+    inners = inner_optimizers(optimizer)
     states = [loaded] if len(inners) == 1 else [loaded[index] for index in range(len(inners))]
     for inner, state in zip(inners, states):
         if not isinstance(inner, distrib_optimizer.DistributedOptimizer):
@@ -235,7 +231,8 @@ def _restore_steps(optimizer, loaded: dict) -> None:
 
 def _has_state(optimizer) -> bool:
     """Whether this rank's optimizer has Adam state (it appears with the first step)."""
-    return any(len(getattr(inner.optimizer, "state", {})) for inner in _optimizers(optimizer))
+    return any(len(getattr(inner.optimizer, "state", {}))
+               for inner in inner_optimizers(optimizer))
 
 
 def _role_state_dict(model, is_loading: bool, with_optimizer: bool) -> dict:

@@ -12,7 +12,6 @@ reads their results back afterwards.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from .task import VOCABULARY, rl_rows, sft_rows, split_questions, write_jsonl
@@ -69,10 +68,9 @@ def report(directory: str) -> str:
 
 
 def _latest_export(folder: Path) -> Path | None:
-    steps = sorted((int(name.split("_")[1]), name) for name in os.listdir(folder)
-                   if name.startswith("step_") and name.split("_")[1].isdigit()) \
-        if folder.is_dir() else []
-    return folder / steps[-1][1] if steps else None
+    """The newest hf/step_<N> folder (zero-padded names sort by step), if any."""
+    steps = sorted(path for path in folder.glob("step_*") if path.name[5:].isdigit())
+    return steps[-1] if steps else None
 
 
 def hf_accuracy(model_folder: str, prompts_file: str, max_new_tokens: int = 2) -> float:

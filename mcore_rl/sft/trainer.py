@@ -49,17 +49,12 @@ def run_sft(config: JobConfig) -> str:
     launch = read_launch_env()
     config = validate_sft(config, launch.world_size)
     runtime = initialize(config, launch)
-    from megatron.core import parallel_state
-
     output_dir = config.runtime.output_dir
     _refuse_existing_run(output_dir)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
     tokenizer = load_tokenizer(config)
     train = _load(config, config.sft.train_files, tokenizer, "train")
     validation = _load(config, config.sft.val_files, tokenizer, "val")
-    steps_per_epoch = len(train.token_ids) // config.sft.batch_size
-    if not steps_per_epoch:
+    if len(train.token_ids) < config.sft.batch_size:
         raise ConfigError(f"sft.batch_size={config.sft.batch_size} exceeds the "
                           f"{len(train.token_ids)} training examples")
     precision = config.runtime.precision
@@ -73,40 +68,53 @@ def run_sft(config: JobConfig) -> str:
             handle.write(to_yaml(config))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
         else tokenizer.eos_token_id
-    sft, step = config.sft, 0
-    bar = progress(total=sft.epochs * steps_per_epoch, desc="sft", unit="step")
-    for epoch in range(sft.epochs):
-        order = epoch_order(len(train.token_ids), sft.seed, epoch)
-        for index in range(steps_per_epoch):
-            started = time.perf_counter()
-            rows = rank_rows(order, index, sft.batch_size, dp_rank, dp_size)
-            batch = {name: tensor.to(runtime.device)
-                     for name, tensor in make_batch(train, rows, pad_id).items()}
-            metrics = train_step(trainable, batch, sft.micro_batch_size, sft_loss, "lm",
-                                 config.model.vocab_size)
-            step += 1
-            bar.update(1)
-            seconds = time.perf_counter() - started
-            step_rows = order[index * sft.batch_size:(index + 1) * sft.batch_size]
-            tokens = sum(len(train.token_ids[row]) for row in step_rows)
-            logger.log(step, {"sft/loss": metrics["loss"], "sft/grad_norm": metrics["grad_norm"],
-                              "sft/lr": metrics["lr"], "sft/epoch": epoch + 1,
-                              "time/step": seconds,
-                              "throughput/tokens_per_second": tokens / seconds})
-            last = epoch == sft.epochs - 1 and index == steps_per_epoch - 1
-            due = step % sft.eval_every == 0 if sft.eval_every else index == steps_per_epoch - 1
-            if validation.token_ids and (due or last):
-                loss = validation_loss(trainable.chunks, validation, sft.micro_batch_size,
-                                       config.model.vocab_size, pad_id, runtime.device)
-                logger.log(step, {"sft/val_loss": loss}, prefix="eval")
-    bar.close()
+    steps = _train(config, trainable, train, validation, logger, pad_id, runtime.device)
     model_dir = os.path.join(output_dir, MODEL_DIR)
     save_weights(model_dir, local_parameters(module), config.model, megatron_coordinates(),
                  extra_metadata=hf_metadata(config), tokenizer_files=tokenizer_files(tokenizer))
     logger.close()
-    print0(f"sft: {step} steps, weights and tokenizer in {model_dir}")
+    print0(f"sft: {steps} steps, weights and tokenizer in {model_dir}")
     shutdown()
     return model_dir
+
+
+def _train(config: JobConfig, trainable, train: EncodedDemonstrations,
+           validation: EncodedDemonstrations, logger: MetricsLogger, pad_id: int, device) -> int:
+    """The epochs of optimizer steps, logging each and the held-out loss when due; returns the
+    number of steps."""
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    sft, vocab_size = config.sft, config.model.vocab_size
+    steps_per_epoch = len(train.token_ids) // sft.batch_size
+    step = 0
+    with progress(total=sft.epochs * steps_per_epoch, desc="sft", unit="step") as bar:
+        for epoch in range(sft.epochs):
+            order = epoch_order(len(train.token_ids), sft.seed, epoch)
+            for index in range(steps_per_epoch):
+                started = time.perf_counter()
+                rows = rank_rows(order, index, sft.batch_size, dp_rank, dp_size)
+                batch = {name: tensor.to(device)
+                         for name, tensor in make_batch(train, rows, pad_id).items()}
+                metrics = train_step(trainable, batch, sft.micro_batch_size, sft_loss, "lm",
+                                     vocab_size)
+                step += 1
+                bar.update(1)
+                seconds = time.perf_counter() - started
+                tokens = sum(len(train.token_ids[row])
+                             for row in order[index * sft.batch_size:(index + 1) * sft.batch_size])
+                logger.log(step, {"sft/loss": metrics["loss"],
+                                  "sft/grad_norm": metrics["grad_norm"], "sft/lr": metrics["lr"],
+                                  "sft/epoch": epoch + 1, "time/step": seconds,
+                                  "throughput/tokens_per_second": tokens / seconds})
+                epoch_done = index == steps_per_epoch - 1
+                due = step % sft.eval_every == 0 if sft.eval_every else epoch_done
+                if validation.token_ids and (due or (epoch_done and epoch == sft.epochs - 1)):
+                    loss = validation_loss(trainable.chunks, validation, sft.micro_batch_size,
+                                           vocab_size, pad_id, device)
+                    logger.log(step, {"sft/val_loss": loss}, prefix="eval")
+    return step
 
 
 def _load(config: JobConfig, paths: list[str], tokenizer, split: str) -> EncodedDemonstrations:

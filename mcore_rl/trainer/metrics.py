@@ -119,8 +119,8 @@ class MetricsLogger:
     nothing."""
 
     CONSOLE = ("reward/mean", "reward/accuracy", "actor/entropy", "actor/kl_to_reference",
-               "actor/grad_norm", "critic/loss", "response/length_mean", "time/step",
-               "sft/loss", "sft/val_loss", "throughput/tokens_per_second")
+               "actor/grad_norm", "critic/loss", "sft/loss", "sft/val_loss",
+               "response/length_mean", "time/step", "throughput/tokens_per_second")
 
     def __init__(self, output_dir: str, tensorboard: bool, wandb_project: str | None = None,
                  wandb_run_name: str | None = None, run_config: dict | None = None):

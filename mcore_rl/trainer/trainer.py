@@ -115,6 +115,8 @@ class Trainer:
         self.bad_steps = 0
         self.pending_rollout: Rollout | None = None
         """With async_rollout: the batch generated ahead for the next step (this rank's)."""
+        self.engine_weights_current = False
+        """Whether the engine holds the actor's current weights (no update since the sync)."""
         self.logger = MetricsLogger.for_job(config)
         self.evaluators: list[Evaluator] = default_evaluators()
         """Run at every evaluation; `register_evaluator` adds more."""
@@ -232,6 +234,7 @@ class Trainer:
         timer, batch = experience.timer, experience.batch
         updates = SumsAndCounts()
         skipped = False
+        self.engine_weights_current = False
         with timer("update"):
             for _ in range(self.config.trainer.ppo_epochs):
                 for mini_batch in mini_batches(batch, self.config.trainer.mini_batches):
@@ -406,9 +409,12 @@ class Trainer:
                     parking.restore()
 
     def _sync_weights(self) -> None:
-        if self.weight_sync is not None:
+        """Send the actor's weights to the engine unless it already has them (an evaluation
+        right before the next step's rollout syncs once)."""
+        if self.weight_sync is not None and not self.engine_weights_current:
             self.engine.update_weights(self.weight_sync.sync(
                 self.roles.actor.parameters_for_sync()))
+        self.engine_weights_current = True
 
     def _score(self, generation, records):
         """The model-parallel group's first rank scores its generation with the rule rewards

@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from .optimizer import TrainableModel
-
-
-def _inner_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+from .optimizer import TrainableModel, inner_optimizers
 
 
 def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     """Master parameters and per-parameter state (Adam moments) of every inner optimizer."""
     tensors = []
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         torch_optimizer = inner.optimizer
         for group in torch_optimizer.param_groups:
             tensors += group["params"]

@@ -29,6 +29,11 @@ class TrainableModel:
     """Megatron OptimizerParamScheduler driving the LR."""
 
 
+def inner_optimizers(optimizer) -> list:
+    """The Megatron optimizers inside a (possibly chained) optimizer."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def wrap_in_ddp(model, use_distributed_optimizer: bool):
     """Megatron DDP around one model chunk (grads reduced in fp32, no overlap)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -1,0 +1,410 @@
+"""Benchmark: mcore_rl's GRPO vs TRL's GRPOTrainer on the same tiny HF model, task and settings.
+
+    bash bench/setup_trl.sh                       # once: TRL 1.16 in ./.venv-trl
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python bench/trl_grpo.py [--rounds 2]
+
+One random-init LlamaForCausalLM (seeded; 8 layers, hidden 256, 4 heads of 64, SwiGLU 1024, the
+toy task's 16-word tokenizer: 8.4M parameters, the size TRL was measured at in the issue) is
+written once as an HF folder; both trainers start from it. Task: the toy copy task ("copy 7" ->
+"7"), the same 512 training prompts in the same order (no shuffling) and 64 held-out ones,
+scored by the same function (mcore_rl.rewards.toy.copy_score; accuracy = score 1).
+
+Each round runs, one process at a time, alternating which side goes first:
+
+  * learn: both sides train `--learn-steps` steps in the shape of configs/grpo_toy.yaml (16
+    prompts x 8 samples, <= 4 new tokens, lr 1e-3, KL loss 0.001) with greedy held-out accuracy
+    every `--eval-every` steps. Reported: median step time, generated tokens per second of step
+    time, the time to reach `--threshold` held-out accuracy (training seconds, and wall seconds
+    from launch including start-up and evaluations) and the last accuracy.
+  * speed: the issue's shape (2 prompts x 8 samples = 16 completions, <= 64 new tokens) with
+    lr 0, so both sides sample from the same fixed policy and do equal work per step (with a
+    learning rate the response lengths follow each run's own trajectory). No evaluation.
+    Reported: median step time, generated tokens/s and a per-phase profile.
+
+Same on both sides: model and weights, prompts and their order, n, temperature 1 (no top-k/p),
+max new tokens, GRPO advantages (group mean, divided by the group std), PPO-clip 0.2 both ways,
+one optimizer step per batch (no mini-batches, one epoch), token-mean loss over the batch (TRL's
+"dapo"), KL to the reference as a k3 loss term with coefficient --beta, AdamW (0.9, 0.999, 1e-8,
+no weight decay), constant LR, gradient clipping at 1.0, fp32. Different by design: TRL
+generates with transformers' generate on the training model (use_vllm=False) and, with one
+iteration per batch, takes the old log-probs as the detached current ones; mcore_rl generates
+with vLLM (weights pushed every step), recomputes the old log-probs in a separate forward pass,
+scores in a sandboxed worker process, and runs the update through Megatron-Core's schedule and
+distributed optimizer. mcore_rl runs on --ours-ranks ranks of 1 thread each (data parallel),
+TRL in one process of --trl-threads threads.
+
+The engine's stop-token bug this benchmark found (vLLM also stopped at token id 2, which
+shortened our responses and flattered our step time) is fixed in mcore_rl.rollout.vllm_engine.
+
+Step time, mcore_rl: `time/step` in metrics.jsonl (generate .. optimizer step, logging and
+evaluation excluded); TRL: on_step_begin -> on_step_end of its Trainer (same span). Ratios are
+TRL / mcore_rl: above 1 means mcore_rl is faster. Load averages are recorded around each run: the
+machine may be shared, which is why the sides alternate, and why the summary also gives the
+median over all steps of all rounds, the per-run 25th percentile (the least disturbed steps) and
+each run's CPU seconds (user + system of the whole process tree, start-up included), which
+other jobs' load barely changes. `--report results.json` prints the tables again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+TRL_PYTHON = os.path.join(REPO, ".venv-trl", "bin", "python")
+OURS_PYTHON = os.path.join(REPO, ".venv", "bin", "python")
+
+REGIMES = {
+    "learn": {"prompts_per_step": 16, "n": 8, "max_new_tokens": 4},
+    "speed": {"prompts_per_step": 2, "n": 8, "max_new_tokens": 64, "lr": 0.0},
+}
+
+
+# -- inputs shared by both sides -----------------------------------------------------------------
+def write_model(folder: str, args) -> int:
+    """The seeded random-init HF Llama with the toy tokenizer; returns its parameter count."""
+    import torch
+    import transformers
+
+    from mcore_rl.data import write_toy_tokenizer
+    from mcore_rl.data.toy import TOY_VOCAB_SIZE
+
+    write_toy_tokenizer(folder)
+    config = transformers.LlamaConfig(
+        vocab_size=TOY_VOCAB_SIZE, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64, head_dim=64, max_position_embeddings=128,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=1,
+        pad_token_id=0)
+    torch.manual_seed(args.model_seed)
+    model = transformers.LlamaForCausalLM(config)
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def write_prompts(work_dir: str, args) -> None:
+    """train.jsonl / val.jsonl for TRL: exactly the records mcore_rl's data.toy source makes."""
+    from mcore_rl.config.data import VAL_SEED_OFFSET
+    from mcore_rl.data.toy import toy_copy_records
+
+    for name, records in (("train", toy_copy_records(args.train_size, args.data_seed)),
+                          ("val", toy_copy_records(args.val_size,
+                                                   args.data_seed + VAL_SEED_OFFSET))):
+        with open(os.path.join(work_dir, f"{name}.jsonl"), "w") as handle:
+            for record in records:
+                handle.write(json.dumps({"prompt": record.prompt,
+                                         "ground_truth": record.ground_truth}) + "\n")
+
+
+def settings(regime: str, args) -> dict:
+    shape = dict(REGIMES[regime])
+    shape.setdefault("lr", args.lr)
+    shape["steps"] = args.learn_steps if regime == "learn" else args.speed_steps
+    shape["eval_every"] = args.eval_every if regime == "learn" else 0
+    return shape
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- the two sides -----------------------------------------------------------------------------
+def run_ours(regime: str, seed: int, out_dir: str, args) -> dict:
+    s = settings(regime, args)
+    rows_per_rank = s["prompts_per_step"] // args.ours_ranks * s["n"]
+    config = {
+        "init": {"hf_path": os.path.join(args.work_dir, "model")},
+        "data": {"max_prompt_tokens": 8, "shuffle": False,
+                 "toy": {"size": args.train_size, "val_size": args.val_size,
+                         "seed": args.data_seed}},
+        "algorithm": {"estimator": "grpo", "norm_adv_by_std_in_grpo": True,
+                      "policy_loss": "ppo", "clip_ratio_low": args.clip,
+                      "clip_ratio_high": args.clip, "loss_aggregation": "token-mean",
+                      "use_kl_loss": args.beta > 0, "kl_coef": args.beta,
+                      "kl_estimator": "k3"},
+        "actor": {"micro_batch_size": rows_per_rank,
+                  "optimizer": {"lr": s["lr"], "lr_decay_style": "constant",
+                                "weight_decay": 0.0, "clip_grad": 1.0}},
+        "rollout": {"engine": "vllm", "prompts_per_step": s["prompts_per_step"],
+                    "sampling": {"n": s["n"], "temperature": 1.0,
+                                 "max_new_tokens": s["max_new_tokens"]},
+                    "eval_sampling": {"n": 1, "temperature": 0.0,
+                                      "max_new_tokens": s["max_new_tokens"]}},
+        "reward": {"num_workers": 1, "timeout_seconds": 30},
+        "trainer": {"total_steps": s["steps"], "eval_every": s["eval_every"],
+                    "ppo_epochs": 1, "mini_batches": 1, "tensorboard": False,
+                    "plots": False},
+        "runtime": {"output_dir": out_dir, "seed": seed},
+    }
+    config_path = out_dir + ".yaml"
+    with open(config_path, "w") as handle:
+        json.dump(config, handle, indent=1)  # JSON is YAML
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=OURS_PYTHON,
+               NPROC_PER_NODE=str(args.ours_ranks), MASTER_PORT=str(_free_port()))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    command = [os.path.join(REPO, "scripts", "torchrun.sh"), "train", "--config", config_path]
+    t0 = time.time()
+    cpu = _run(command, env, out_dir + ".log")
+    wall = time.time() - t0
+    steps = _read_jsonl(os.path.join(out_dir, "metrics.jsonl"))
+    evals = _read_jsonl(os.path.join(out_dir, "eval.jsonl"))
+    result = {"wall": wall, "cpu": cpu,
+              "startup": steps[0]["wall_time"] - steps[0]["time/step"] - t0,
+              "steps": [], "evals": []}
+    for step in steps:
+        phases = {name[5:]: value for name, value in step.items()
+                  if name.startswith("time/") and name != "time/step"}
+        rows = s["prompts_per_step"] * s["n"]
+        result["steps"].append({"step": step["step"], "seconds": step["time/step"],
+                                "tokens": step["response/length_mean"] * rows,
+                                "phases": phases})
+    logged = {step["step"]: step["wall_time"] for step in steps}
+    for record in evals:  # an evaluation follows the step's log line (none before step 0's)
+        seconds = record["wall_time"] - logged[record["step"]] if record["step"] else None
+        result["evals"].append({"step": record["step"], "accuracy": record["eval/accuracy"],
+                                "wall": record["wall_time"] - t0, "seconds": seconds})
+    return result
+
+
+def run_trl(regime: str, seed: int, out_dir: str, args) -> dict:
+    s = settings(regime, args)
+    out_json = out_dir + ".json"
+    t0 = time.time()
+    command = [TRL_PYTHON, os.path.join(REPO, "bench", "trl_side.py"),
+               "--model", os.path.join(args.work_dir, "model"),
+               "--train", os.path.join(args.work_dir, "train.jsonl"),
+               "--val", os.path.join(args.work_dir, "val.jsonl"), "--out", out_json,
+               "--work-dir", out_dir, "--t0", repr(t0), "--steps", str(s["steps"]),
+               "--eval-every", str(s["eval_every"]),
+               "--prompts-per-step", str(s["prompts_per_step"]), "--n", str(s["n"]),
+               "--max-new-tokens", str(s["max_new_tokens"]), "--lr", repr(s["lr"]),
+               "--beta", repr(args.beta), "--clip", repr(args.clip), "--seed", str(seed),
+               "--threads", str(args.trl_threads)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads))
+    cpu = _run(command, env, out_dir + ".log")
+    wall = time.time() - t0
+    with open(out_json) as handle:
+        raw = json.load(handle)
+    rows = s["prompts_per_step"] * s["n"]
+    result = {"wall": wall, "cpu": cpu, "startup": raw["first_step_start"] - t0, "steps": [],
+              "evals": []}
+    for step in raw["steps"]:
+        result["steps"].append({"step": step["step"], "seconds": step["seconds"],
+                                "tokens": step["completion_mean_length"] * rows,
+                                "phases": step["phases"]})
+    for record in raw["evals"]:
+        result["evals"].append({"step": record["step"], "accuracy": record["accuracy"],
+                                "wall": record["wall"] - t0, "seconds": record["seconds"]})
+    return result
+
+
+def _run(command: list, env: dict, log_path: str) -> float:
+    """Run `command`; returns the CPU seconds (user + system) it and its descendants used."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(log_path, "w") as log:
+        status = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                cwd=REPO).returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if status:
+        raise SystemExit(f"{' '.join(command[:3])} ... failed with status {status}; see "
+                         f"{log_path}")
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+# -- summaries ---------------------------------------------------------------------------------
+def summarize(result: dict, threshold: float) -> dict:
+    steps = result["steps"]
+    timed = steps[1:] or steps  # the first step of either side includes lazy initialisation
+    seconds = sorted(s["seconds"] for s in steps)
+    summary = {"step_median": statistics.median(seconds),
+               "step_p25": seconds[(len(seconds) - 1) // 4],
+               "cpu": result.get("cpu"),
+               "tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["seconds"] for s in timed),
+               "tokens_per_step": statistics.mean(s["tokens"] for s in steps),
+               "startup": result["startup"], "wall": result["wall"]}
+    reached = next((e for e in result["evals"] if e["accuracy"] >= threshold), None)
+    if result["evals"]:
+        timed_evals = [e["seconds"] for e in result["evals"] if e.get("seconds") is not None
+                       and e["step"]]
+        summary["eval_s"] = statistics.mean(timed_evals) if timed_evals else None
+        summary["final_accuracy"] = result["evals"][-1]["accuracy"]
+        summary["best_accuracy"] = max(e["accuracy"] for e in result["evals"])
+    if reached is not None:
+        summary["reached_step"] = reached["step"]
+        summary["train_to_acc"] = sum(s["seconds"] for s in steps if s["step"] <= reached["step"])
+        summary["wall_to_acc"] = reached["wall"]
+    return summary
+
+
+def _fmt(value, digits=2, suffix="") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def print_tables(records: list, args, parameters: int) -> None:
+    sides = ("trl", "ours")
+    names = {"trl": "TRL 1.16", "ours": "mcore_rl"}
+    for regime in [r for r in ("learn", "speed") if any(x["regime"] == r for x in records)]:
+        s = settings(regime, args)
+        print(f"\n== {regime}: {s['prompts_per_step']} prompts x {s['n']} samples, <= "
+              f"{s['max_new_tokens']} new tokens, lr {s['lr']:g}, KL loss {args.beta:g}, "
+              f"{s['steps']} steps; {parameters / 1e6:.1f}M-param Llama; mcore_rl "
+              f"{args.ours_ranks} rank(s) x 1 thread, TRL 1 process x {args.trl_threads} "
+              f"thread(s)")
+        header = (f"{'round':<6}{'side':<10}{'step s':>8}{'p25 s':>7}{'gen tok/s':>10}"
+                  f"{'tok/step':>9}{'startup s':>10}")
+        if regime == "learn":
+            header += (f"{'acc>=' + format(args.threshold, 'g') + ' @step':>15}"
+                       f"{'train s':>9}{'wall s':>8}{'last acc':>9}{'eval s':>8}")
+        header += f"{'run s':>7}{'CPU s':>7}{'load before/after':>19}"
+        print(header)
+        rows = [x for x in records if x["regime"] == regime]
+        for record in rows:
+            summary = record["summary"]
+            line = (f"{record['round']:<6}{names[record['side']]:<10}"
+                    f"{summary['step_median']:>8.3f}{summary['step_p25']:>7.3f}"
+                    f"{summary['tokens_per_s']:>10.1f}"
+                    f"{summary['tokens_per_step']:>9.1f}{summary['startup']:>10.1f}")
+            if regime == "learn":
+                line += (f"{_fmt(summary.get('reached_step'), 0):>15}"
+                         f"{_fmt(summary.get('train_to_acc'), 1):>9}"
+                         f"{_fmt(summary.get('wall_to_acc'), 1):>8}"
+                         f"{_fmt(summary.get('final_accuracy'), 3):>9}"
+                         f"{_fmt(summary.get('eval_s'), 2):>8}")
+            line += (f"{summary['wall']:>7.0f}{_fmt(summary.get('cpu'), 0):>7}"
+                     f"{record['load'][0]:>10.2f}/{record['load'][1]:.2f}")
+            print(line)
+        by_side = {side: [x["summary"] for x in rows if x["side"] == side] for side in sides}
+        if not all(by_side.values()):
+            continue
+
+        def median(side, key):
+            values = [x[key] for x in by_side[side] if x.get(key) is not None]
+            return statistics.median(values) if len(values) == len(by_side[side]) else None
+
+        def ratio(key, invert=False):
+            a, b = median("trl", key), median("ours", key)
+            if a is None or b is None or not a or not b:
+                return "-"
+            return f"{(b / a if invert else a / b):.2f}x"
+
+        phase_rows = {side: _median_phases([x for x in rows if x["side"] == side])
+                      for side in sides}
+        pooled = phase_rows["trl"]["step"] / phase_rows["ours"]["step"]
+        print(f"TRL / mcore_rl (> 1: mcore_rl faster): step time {pooled:.2f}x (median of "
+              f"all steps 2..N of all rounds; per-round medians {ratio('step_median')}, per-round "
+              f"p25 {ratio('step_p25')}); medians over rounds: generated tokens/s "
+              f"{ratio('tokens_per_s', True)}, start-up {ratio('startup')}, run CPU seconds "
+              f"{ratio('cpu')}" + (
+                  f", train time to acc {ratio('train_to_acc')}, wall time to acc "
+                  f"{ratio('wall_to_acc')}, one evaluation {ratio('eval_s')}"
+                  if regime == "learn" else ""))
+        print("median seconds per step by phase (steps 2..N of all rounds; medians resist "
+              "other jobs' load, so the phases need not add up to the step):")
+        for side in sides:
+            phases = phase_rows[side]
+            shown = "  ".join(f"{name} {value:.3f}" for name, value in sorted(
+                phases.items(), key=lambda item: -item[1]) if name != "step")
+            print(f"  {names[side]:<9} step {phases['step']:.3f} = {shown}")
+
+
+def _median_phases(records: list) -> dict:
+    steps = [step for record in records for step in (record["result"]["steps"][1:]
+                                                     or record["result"]["steps"])]
+    names = {name for step in steps for name in step["phases"]}
+    phases = {name: statistics.median(s["phases"].get(name, 0.0) for s in steps)
+              for name in names}
+    phases["step"] = statistics.median(s["seconds"] for s in steps)
+    return phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--regimes", default="learn,speed", help="comma list: learn, speed")
+    parser.add_argument("--sides", default="trl,ours", help="comma list: trl, ours")
+    parser.add_argument("--learn-steps", type=int, default=20)
+    parser.add_argument("--speed-steps", type=int, default=8)
+    parser.add_argument("--eval-every", type=int, default=2)
+    parser.add_argument("--threshold", type=float, default=0.4,
+                        help="held-out greedy accuracy both sides must reach")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learn regime's learning rate")
+    parser.add_argument("--beta", type=float, default=0.001, help="KL loss coefficient (k3)")
+    parser.add_argument("--clip", type=float, default=0.2)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--train-size", type=int, default=512)
+    parser.add_argument("--val-size", type=int, default=64)
+    parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--model-seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=1, help="sampling seed of round 1 (+1 per "
+                        "round, the same on both sides)")
+    parser.add_argument("--ours-ranks", type=int, default=1)
+    parser.add_argument("--trl-threads", type=int, default=1)
+    parser.add_argument("--work-dir", default="/tmp/trl_work/bench")
+    parser.add_argument("--report", metavar="RESULTS_JSON",
+                        help="only print the tables of an earlier run's results.json")
+    args = parser.parse_args()
+    if args.report:
+        with open(args.report) as handle:
+            saved = json.load(handle)
+        for record in saved["records"]:
+            record["summary"] = summarize(record["result"], saved["args"]["threshold"])
+        print_tables(saved["records"], argparse.Namespace(**saved["args"]), saved["parameters"])
+        return
+    if not os.path.exists(TRL_PYTHON):
+        raise SystemExit(f"{TRL_PYTHON} not found: run bash bench/setup_trl.sh first")
+
+    if os.path.isdir(args.work_dir):
+        shutil.rmtree(args.work_dir)
+    os.makedirs(args.work_dir)
+    parameters = write_model(os.path.join(args.work_dir, "model"), args)
+    write_prompts(args.work_dir, args)
+    regimes = args.regimes.split(",")
+    sides = args.sides.split(",")
+    records = []
+    started = time.time()
+    for round_index in range(args.rounds):
+        order = sides if round_index % 2 == 0 else sides[::-1]
+        for regime in regimes:
+            for side in order:
+                name = f"r{round_index + 1}_{regime}_{side}"
+                load_before = os.getloadavg()[0]
+                run = run_trl if side == "trl" else run_ours
+                result = run(regime, args.seed + round_index,
+                             os.path.join(args.work_dir, name), args)
+                record = {"round": round_index + 1, "regime": regime, "side": side,
+                          "load": (load_before, os.getloadavg()[0]), "result": result,
+                          "summary": summarize(result, args.threshold)}
+                records.append(record)
+                print(f"{name}: step {record['summary']['step_median']:.3f} s, wall "
+                      f"{result['wall']:.0f} s, load {record['load'][0]:.2f}/"
+                      f"{record['load'][1]:.2f}", flush=True)
+    with open(os.path.join(args.work_dir, "results.json"), "w") as handle:
+        json.dump({"args": vars(args), "parameters": parameters, "records": records}, handle,
+                  indent=1)
+    print_tables(records, args, parameters)
+    print(f"\ntotal {time.time() - started:.0f} s; load averages (1/5/15 min) now "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; raw results in "
+          f"{args.work_dir}/results.json")
+
+
+if __name__ == "__main__":
+    main()
