@@ -13,10 +13,9 @@ import time
 
 import torch
 
-from .config import JobConfig
-from .models import build_gpt_model
-from .models.pretrained import load_initial_weights
-from .runtime import initialize, print0, shutdown
+from .config import JobConfig, validate
+from .models.pretrained import build_from_init
+from .runtime import initialize, print0, read_launch_env, shutdown
 from .training import make_trainable, shard_for_data_parallel, train_step
 
 
@@ -41,10 +40,12 @@ def run_smoke(config: JobConfig) -> list[dict]:
     """Train for config.smoke.steps steps; returns the per-step metrics."""
     from megatron.core import parallel_state
 
-    runtime = initialize(config)
-    model = build_gpt_model(config.model, config.parallel, config.runtime.precision,
-                            device=runtime.device)
-    if load_initial_weights(model, config.init, config.model):
+    launch = read_launch_env()
+    config = validate(config, launch.world_size)
+    runtime = initialize(config, launch)
+    model = build_from_init(config.init, config.model, config.parallel,
+                            config.runtime.precision, device=runtime.device)
+    if config.init.hf_path or config.init.checkpoint:
         print0(f"smoke: weights from {config.init.hf_path or config.init.checkpoint}")
     trainable = make_trainable(model, config.optimizer, config.runtime.precision)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -56,8 +57,7 @@ def run_smoke(config: JobConfig) -> list[dict]:
     for step in range(config.smoke.steps):
         batch = random_batch(config, step)
         tokens = int(batch["attention_mask"].sum())
-        local = {k: v.to(runtime.device) for k, v in
-                 shard_for_data_parallel(batch, dp_rank, dp_size).items()}
+        local = shard_for_data_parallel(batch, dp_rank, dp_size)
         start = time.perf_counter()
         metrics = train_step(trainable, local, config.batch.micro_batch_size, next_token_loss,
                              vocab_size=config.model.vocab_size)

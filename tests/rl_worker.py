@@ -178,3 +178,37 @@ def train_steps(out_path: str, overrides: list[str], steps: int) -> None:
     if dist.get_rank() == 0:
         torch.save(history, out_path)
     trainer.close()
+
+
+
+def steps_under_device_discipline(out_path: str, overrides: list[str]) -> None:
+    """Two RL steps, an evaluation and a resharder sync with host and accelerator tensors told
+    apart (tests/device_discipline.py); then rank 0 checks the harness itself: a batch left in
+    host memory must not reach the model, nor a host tensor a collective."""
+    from device_discipline import DeviceMismatch, discipline
+
+    from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
+    from mcore_rl.resharding.execute import megatron_training_layout
+
+    with discipline():
+        trainer = Trainer(load_config(TOY_CONFIG, overrides))
+        history = [trainer.train_step() for _ in range(2)]
+        evaluation = trainer.evaluate()
+        training = megatron_training_layout(trainer.config.model)
+        resharder = Resharder(build_plan(training, make_rollout_layout(training, "full", 1),
+                                         torch.float32))
+        synced = [name for name, _ in resharder.sync(trainer.roles.actor.parameters_for_sync())]
+        caught, rank = [], dist.get_rank()
+        if rank == 0:  # holds the first pipeline stage
+            host_ids = torch.tensor([[1, 2, 3]], device="meta")
+            for attempt in (lambda: trainer.roles.actor.module(host_ids, host_ids, None),
+                            lambda: dist.all_reduce(torch.zeros(2, device="meta"))):
+                try:
+                    attempt()
+                    caught.append("no error")
+                except DeviceMismatch as error:
+                    caught.append(str(error))
+        trainer.close()
+    if rank == 0:
+        torch.save({"history": history, "evaluation": evaluation, "caught": caught,
+                    "synced": synced}, out_path)

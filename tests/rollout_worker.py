@@ -88,6 +88,13 @@ def engine_checks(engine, module, sync, prompts: list) -> dict:
         found["sleeping_generate"] = "no error"
     except EngineError as error:
         found["sleeping_generate"] = str(error)
+    try:
+        sync()
+        found["sleeping_update"] = "no error"
+    except EngineError as error:
+        found["sleeping_update"] = str(error)
+    engine.wake_weights()
+    sync()
     engine.wake()
     found["after_wake"] = engine.generate(prompts, GREEDY, PROMPT_CONFIG).completions[0].token_ids
     found["refusals"] = []

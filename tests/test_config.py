@@ -75,7 +75,8 @@ def test_invalid_yaml_names_file(tmp_path):
 def test_validate_rules(overrides, world, rule):
     config = load_config(None, overrides)
     if rule is None:
-        assert validate(config, world) is config
+        assert validate(config, world) == dataclasses.replace(config,
+                                                              runtime=config.runtime.resolved())
         return
     with pytest.raises(ConfigError, match=rule):
         validate(config, world)

@@ -35,6 +35,19 @@ def test_srun_variables_and_missing_master_addr():
     assert read_launch_env({}).world_size == 1
 
 
+def test_gpu_is_chosen_from_the_visible_ones():
+    """SLURM's --gpus-per-task=1 leaves each task one visible GPU, numbered 0 whatever its
+    SLURM_LOCALID; torchrun's ranks on an 8-GPU node see all 8 and take their local rank's."""
+    from mcore_rl.runtime.devices import cuda_device_index
+
+    assert cuda_device_index(local_rank=3, visible_gpus=1) == 0
+    assert cuda_device_index(local_rank=3, visible_gpus=8) == 3
+    with pytest.raises(RuntimeError, match="local rank 4 has no GPU of its own: 4 are visible"):
+        cuda_device_index(local_rank=4, visible_gpus=4)
+    with pytest.raises(RuntimeError, match="no GPU is visible"):
+        cuda_device_index(local_rank=0, visible_gpus=0)
+
+
 def _cpu_compat_checks():
     from mcore_rl.runtime import cpu_compat
 

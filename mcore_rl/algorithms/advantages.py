@@ -75,7 +75,8 @@ def _group_statistics(scores: torch.Tensor, group_ids: torch.Tensor):
     """Per-sample (group size, group mean, unbiased group std; std 1 for groups of one)."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     scores = scores.double()
-    sums = torch.zeros(len(counts), dtype=torch.float64).index_add_(0, inverse, scores)
+    sums = torch.zeros(len(counts), dtype=torch.float64, device=scores.device).index_add_(
+        0, inverse, scores)
     means = sums / counts
     squares = torch.zeros_like(sums).index_add_(0, inverse, (scores - means[inverse]) ** 2)
     stds = torch.where(counts > 1, (squares / (counts - 1).clamp(min=1)).sqrt(),

@@ -10,14 +10,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..runtime.devices import collective_device
+
 
 def masked_sum_count(values: torch.Tensor, mask: torch.Tensor, group=None):
-    """(sum, sum of squares, count) of values where mask is 1, over the group, in fp64."""
+    """(sum, sum of squares, count) of values where mask is 1, over the group, in fp64, on
+    the values' device."""
     mask = mask.to(torch.float64)
     values = values.to(torch.float64)
     totals = torch.stack([(values * mask).sum(), (values * values * mask).sum(), mask.sum()])
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(totals, group=group)
+        reduced = totals.to(collective_device(group))
+        dist.all_reduce(reduced, group=group)
+        totals = reduced.to(values.device)
     return totals[0], totals[1], totals[2]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -97,7 +98,8 @@ class JobConfig:
 
 def validate(config: JobConfig, world_size: int) -> JobConfig:
     """Check every rule that can be checked before a process group exists; raise ConfigError
-    listing all broken ones (not just the first). Returns the config unchanged."""
+    listing all broken ones (not just the first). Returns the config with its machine-dependent
+    settings settled (`runtime.precision=auto`), as the job runs and records it."""
     parallel = config.parallel
     errors = parallel.check(world_size)
     errors += config.model.check(parallel.tensor_model_parallel_size,
@@ -116,12 +118,12 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
     if errors:
         raise ConfigError("invalid configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
-    return config
+    return dataclasses.replace(config, runtime=config.runtime.resolved())
 
 
 def validate_rl(config: JobConfig, world_size: int) -> JobConfig:
     """`validate` plus the rules of an RL job (roles, rollout, batch arithmetic)."""
-    validate(config, world_size)
+    config = validate(config, world_size)
     errors = config.algorithm.errors() + config.rollout.errors() + config.trainer.errors()
     errors += config.data.errors() + config.reward.errors()
     errors += config.actor.optimizer.check("actor.optimizer")
@@ -148,7 +150,7 @@ def validate_rl(config: JobConfig, world_size: int) -> JobConfig:
 
 def validate_sft(config: JobConfig, world_size: int) -> JobConfig:
     """`validate` plus the rules of a supervised job."""
-    validate(config, world_size)
+    config = validate(config, world_size)
     errors = config.sft.errors(config.parallel.data_parallel_size(world_size))
     if config.data.chat_template_mode() not in CHAT_TEMPLATE_MODES:
         errors.append(f"data.apply_chat_template={config.data.apply_chat_template!r} must be "

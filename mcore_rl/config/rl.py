@@ -84,7 +84,19 @@ class RolloutConfig:
     """Sampling for evaluation on the validation prompts (greedy by default)."""
 
     gpu_memory_utilization: float = 0.4
-    """vLLM's share of GPU memory for weights and KV cache (colocated with training)."""
+    """vLLM's share of GPU memory for its weights and KV cache while it generates. The engine
+    starts before the training roles and sleeps between generate phases, so this share must be
+    free at start-up (checked) and is given back to training after each generate; training
+    state that does not fit beside it during generation needs actor/critic.offload."""
+
+    sleep_level: int = 2
+    """vLLM's sleep level between generate phases (GPUs): 2 frees weights and KV cache without
+    keeping a host copy (the weights are sent again before the next generate anyway); 1 keeps
+    a copy of the weights in host memory. Ignored where vLLM has no sleep mode (CPU)."""
+
+    cuda_graphs: bool = True
+    """Capture CUDA graphs for vLLM's decoding (faster decoding, slower start-up); false runs
+    eagerly. CPU engines always run eagerly."""
 
     overlong: str = "keep"
     """Responses cut at max_new_tokens: keep (as they are), filter (no loss on them) or penalty
@@ -118,6 +130,11 @@ class RolloutConfig:
             errors.append(f"rollout.engine={self.engine!r} must be one of {ENGINES}")
         if self.rollout_tp < 1:
             errors.append(f"rollout.rollout_tp={self.rollout_tp} must be >= 1")
+        if not 0 < self.gpu_memory_utilization < 1:
+            errors.append(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must "
+                          "be in (0, 1): training needs the rest of the GPU")
+        if self.sleep_level not in (1, 2):
+            errors.append(f"rollout.sleep_level={self.sleep_level} must be 1 or 2")
         if self.prompts_per_step < 1:
             errors.append(f"rollout.prompts_per_step={self.prompts_per_step} must be >= 1")
         if self.overlong not in OVERLONG_RESPONSES:

@@ -1,7 +1,7 @@
 """Build this rank's stage of a Llama-family Megatron-Core GPTModel, with an LM or scalar head.
 
-Parameters are created on the CPU (`use_cpu_initialization`) with Megatron's own initialisers
-and moved to the rank's device afterwards; real runs overwrite them from a checkpoint.
+Parameters are created on the rank's GPU (on the CPU without one), with Megatron's own
+initialisers only when no checkpoint will overwrite them (`random_init`).
 """
 
 from __future__ import annotations
@@ -20,18 +20,21 @@ Head = Literal["lm", "scalar"]
 
 
 def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str = "fp32",
-                    head: Head = "lm", device: torch.device | None = None):
+                    head: Head = "lm", device: torch.device | None = None,
+                    random_init: bool = True):
     """The GPTModel stage this rank holds in the current Megatron parallel state.
 
     head="lm": vocab-parallel logits over `model.padded_vocab_size(tp)` rows.
     head="scalar": one number per position (critic values, reward-model scores).
+    random_init=False: parameters are left uninitialised for the caller to load (the scalar
+    head still starts at zero).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     if head not in ("lm", "scalar"):
         raise ValueError(f"head={head!r} must be 'lm' or 'scalar'")
-    config = megatron_transformer_config(model, parallel, precision)
+    config = megatron_transformer_config(model, parallel, precision, random_init)
     post_process = parallel_state.is_pipeline_last_stage()
     gpt = GPTModel(
         config=config,
@@ -50,7 +53,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
         gpt.rotary_pos_emb.inv_freq = llama3_scaled_frequencies(inv_freq, model.rope_scaling)
     if head == "scalar" and post_process:
         gpt.output_layer = ScalarHead(model.hidden_size, config.params_dtype,
-                                      parallel.sequence_parallel)
+                                      parallel.sequence_parallel, device)
     if device is not None:
         gpt.to(device)
     return gpt

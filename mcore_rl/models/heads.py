@@ -16,10 +16,11 @@ from torch import nn
 class ScalarHead(nn.Module):
     """hidden [s, b, h] -> scalar [s, b, 1], called like Megatron's output layer."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False,
+                 device: torch.device | None = None):
         super().__init__()
         # Named apart from the LM head's `weight` so checkpoints of the two never mix.
-        self.scalar_weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.scalar_weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
         self.sequence_parallel = sequence_parallel
         # Megatron's optimizer and DDP read these attributes on every parameter.
         self.scalar_weight.tensor_model_parallel = False

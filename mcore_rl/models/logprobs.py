@@ -18,9 +18,11 @@ import torch.distributed as dist
 
 
 def vocab_parallel_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                                        vocab_size: int, tp_group=None):
+                                        vocab_size: int, tp_group=None, temperature: float = 1.0):
     """logits [..., v_local] (this rank's vocab slice), targets [...] (global token ids) ->
-    (logprobs [...], entropy [...]) in fp32, differentiable w.r.t. logits."""
+    (logprobs [...], entropy [...]) in fp32 of softmax(logits / temperature), differentiable
+    w.r.t. logits. The division happens after the fp32 upcast, as in vLLM's sampler: dividing
+    bf16 logits would round them a second time."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -28,6 +30,8 @@ def vocab_parallel_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Ten
     v_local = logits.shape[-1]
     start = tp_rank * v_local
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     vocab_ids = torch.arange(start, start + v_local, device=logits.device)
     is_real = vocab_ids < vocab_size
     if not bool(is_real.all()):

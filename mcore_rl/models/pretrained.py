@@ -11,9 +11,20 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint.weights_io import load_weights_into, megatron_coordinates, read_metadata
-from ..config import InitConfig, ModelConfig
+from ..config import InitConfig, ModelConfig, ParallelConfig
 from ..parallel import sharding
+from .build import build_gpt_model
 from .weights import copy_into_stage, local_parameters
+
+
+def build_from_init(init: InitConfig, model: ModelConfig, parallel: ParallelConfig,
+                    precision: str, head: str = "lm", device: torch.device | None = None):
+    """This rank's model stage holding `init`'s weights, randomly initialised only when `init`
+    names no weights (initialising what a checkpoint overwrites costs minutes at scale)."""
+    module = build_gpt_model(model, parallel, precision, head, device,
+                             random_init=not (init.hf_path or init.checkpoint))
+    load_initial_weights(module, init, model, head)
+    return module
 
 
 @torch.no_grad()

@@ -10,16 +10,22 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig, ParallelConfig
+from ..config.runtime import resolve_precision
+from .kernels import announce_missing_kernels, fused_rope_available, fused_softmax_available
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def megatron_transformer_config(model: ModelConfig, parallel: ParallelConfig,
-                                precision: str = "fp32", **overrides):
-    """A TransformerConfig for a Llama-family decoder. `overrides` reach TransformerConfig
-    unchanged (for example recompute settings)."""
+                                precision: str = "fp32", random_init: bool = True, **overrides):
+    """A TransformerConfig for a Llama-family decoder. random_init=False skips Megatron's
+    initialisers (the caller loads every weight). Parameters are created on the GPU where there
+    is one (on the CPU otherwise). `overrides` reach TransformerConfig unchanged (for example
+    recompute settings)."""
     from megatron.core.transformer import TransformerConfig
 
+    announce_missing_kernels()
+    precision = resolve_precision(precision)
     dtype = DTYPES[precision]
     tp = parallel.tensor_model_parallel_size
     fields = dict(
@@ -39,15 +45,15 @@ def megatron_transformer_config(model: ModelConfig, parallel: ParallelConfig,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=torch.cuda.is_available(),
+        apply_rope_fusion=fused_rope_available(),
+        masked_softmax_fusion=fused_softmax_available(),
         persist_layer_norm=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
-        use_cpu_initialization=True,
-        perform_initialization=True,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=random_init,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=precision == "bf16",

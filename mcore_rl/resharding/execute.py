@@ -159,14 +159,15 @@ class Resharder:
         return next(iter(by_source.values())).device if by_source else torch.device("cpu")
 
     def _post(self, bucket: _Bucket, by_source: Mapping[str, torch.Tensor]) -> list:
-        """Pack and post this rank's sends and receives of ``bucket``; returns the handles and
-        receive buffers."""
+        """Pack and post this rank's sends and receives of ``bucket`` as one batched
+        operation (NCCL deadlocks on two ranks that exchange through separate irecv/isend
+        calls; gloo does not); returns the handles and receive buffers."""
         device, dtype = self._device(by_source), self.plan.dtype
-        handles, buffers = [], {}
+        ops, buffers = [], {}
         for src, runs in sorted(bucket.receives.items()):
             buffers[src] = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=dtype,
                                        device=device)
-            handles.append(dist.irecv(buffers[src], src=src, tag=bucket.index))
+            ops.append(dist.P2POp(dist.irecv, buffers[src], src, tag=bucket.index))
             self.received_bytes += buffers[src].numel() * buffers[src].element_size()
         for dst, runs in sorted(bucket.sends.items()):
             packed = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=dtype,
@@ -178,8 +179,8 @@ class Resharder:
                                                         transfer.length)
                 packed[offset:offset + count].view(source.shape).copy_(source)
                 offset += count
-            handles.append(dist.isend(packed, dst=dst, tag=bucket.index))
-        return [handles, buffers]
+            ops.append(dist.P2POp(dist.isend, packed, dst, tag=bucket.index))
+        return [dist.batch_isend_irecv(ops) if ops else [], buffers]
 
     @staticmethod
     def _wait(pending: list) -> dict[int, torch.Tensor]:

@@ -3,8 +3,14 @@
 Every rank of the SPMD world calls the same methods in the same order. `generate` takes this
 rank's own prompts (its data-parallel shard) and returns this rank's completions; how a backend
 pools the prompts of the ranks that share one engine instance (a rollout TP group, or a Megatron
-model-parallel group) is its own business (see `prompt_pool`). Between generate phases the
-trainer pushes new weights with `update_weights` and frees memory with `sleep`/`wake`.
+model-parallel group) is its own business (see `prompt_pool`).
+
+Between generate phases the engine sleeps, so that training has the GPU. One generate phase,
+in the order the GPU needs (weights can only be written into mapped memory, and the KV cache
+comes back only once training has parked its state):
+
+    engine.wake_weights(); engine.update_weights(...); <park training state>; engine.wake()
+    engine.generate(...); engine.sleep(); <restore training state>
 """
 
 from __future__ import annotations
@@ -106,13 +112,21 @@ class RolloutEngine(abc.ABC):
         """Load new weights in place (names and layout per `weight_layout`), e.g. straight from
         `Resharder.sync`, without restarting the engine."""
 
+    weights_survive_sleep: bool = True
+    """Whether the weights loaded before `sleep` are still there after waking (False when
+    sleeping discards them: they must be loaded again before the next generate)."""
+
     @abc.abstractmethod
     def sleep(self) -> None:
-        """Free the KV cache (and weights, where the engine can restore them) before training."""
+        """Free the KV cache (and weights, where the engine can) before training."""
+
+    def wake_weights(self) -> None:
+        """Map the weights' memory again, ready for `update_weights` (default: nothing)."""
 
     @abc.abstractmethod
     def wake(self) -> None:
-        """Undo `sleep` before the next generate."""
+        """Make the engine ready to generate again (the KV cache, and the weights if
+        `wake_weights` was not called)."""
 
     def close(self) -> None:
         """Release the engine before the process group goes (collective; default: nothing)."""

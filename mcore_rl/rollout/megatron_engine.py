@@ -68,6 +68,7 @@ class MegatronEngine(RolloutEngine):
         self._dp_rank = parallel_state.get_data_parallel_rank()
         self._calls = 0
         self._sleeping = False
+        self._weights_mapped = True
 
     # -- generate --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
@@ -174,6 +175,8 @@ class MegatronEngine(RolloutEngine):
         if self.weight_layout is None:
             raise EngineError("this engine generates on the trainer's own module; its weights "
                               "are always current and update_weights must not be called")
+        if not self._weights_mapped:
+            raise EngineError("update_weights() on a sleeping engine: call wake_weights() first")
         params = local_parameters(self.module)
         seen = set()
         for name, tensor in named_tensors:
@@ -191,13 +194,19 @@ class MegatronEngine(RolloutEngine):
     def sleep(self) -> None:
         """The KV cache lives only inside generate(); an engine-owned copy of the weights moves
         to host memory."""
-        if self.weight_layout is not None and self.device.type != "cpu":
-            self.module.to("cpu")
+        if self.weight_layout is not None:
+            if self.device.type != "cpu":
+                self.module.to("cpu")
+            self._weights_mapped = False
         self._sleeping = True
 
-    def wake(self) -> None:
-        if self.weight_layout is not None and self.device.type != "cpu":
+    def wake_weights(self) -> None:
+        if not self._weights_mapped and self.device.type != "cpu":
             self.module.to(self.device)
+        self._weights_mapped = True
+
+    def wake(self) -> None:
+        self.wake_weights()
         self._sleeping = False
 
 

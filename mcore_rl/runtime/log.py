@@ -42,7 +42,11 @@ def print0(*args, **kwargs) -> None:
 
 def peak_resident_mb() -> float:
     """Peak resident memory (MB) of this process, or the largest over all ranks (collective)."""
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
-    if dist.is_initialized():
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return float(peak)
+    from .devices import collective_device
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    if not dist.is_initialized():
+        return peak
+    holder = torch.tensor([peak], device=collective_device())
+    dist.all_reduce(holder, op=dist.ReduceOp.MAX)
+    return float(holder)

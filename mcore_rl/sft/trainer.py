@@ -22,11 +22,11 @@ import torch.distributed as dist
 from mcore_rl.checkpoint.weights_io import megatron_coordinates, save_weights
 from mcore_rl.config import ConfigError, JobConfig, to_yaml, validate_sft
 from mcore_rl.evaluation import METRICS_FILE
-from mcore_rl.models import build_gpt_model
-from mcore_rl.models.pretrained import load_initial_weights
+from mcore_rl.models.pretrained import build_from_init
 from mcore_rl.models.weights import local_parameters
 from mcore_rl.runtime import initialize, print0, read_launch_env, shutdown
 from mcore_rl.runtime.agreement import raise_on_any_rank
+from mcore_rl.runtime.devices import collective_device
 from mcore_rl.runtime.progress import progress
 from mcore_rl.trainer.data import load_tokenizer
 from mcore_rl.trainer.export import hf_metadata, tokenizer_files
@@ -58,8 +58,8 @@ def run_sft(config: JobConfig) -> str:
         raise ConfigError(f"sft.batch_size={config.sft.batch_size} exceeds the "
                           f"{len(train.token_ids)} training examples")
     precision = config.runtime.precision
-    module = build_gpt_model(config.model, config.parallel, precision, "lm", runtime.device)
-    load_initial_weights(module, config.init, config.model)
+    module = build_from_init(config.init, config.model, config.parallel, precision, "lm",
+                             runtime.device)
     trainable = make_trainable(module, config.sft.optimizer, precision)
     logger = MetricsLogger.for_job(config)
     if dist.get_rank() == 0:
@@ -68,7 +68,7 @@ def run_sft(config: JobConfig) -> str:
             handle.write(to_yaml(config))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
         else tokenizer.eos_token_id
-    steps = _train(config, trainable, train, validation, logger, pad_id, runtime.device)
+    steps = _train(config, trainable, train, validation, logger, pad_id)
     model_dir = os.path.join(output_dir, MODEL_DIR)
     save_weights(model_dir, local_parameters(module), config.model, megatron_coordinates(),
                  extra_metadata=hf_metadata(config), tokenizer_files=tokenizer_files(tokenizer))
@@ -79,7 +79,7 @@ def run_sft(config: JobConfig) -> str:
 
 
 def _train(config: JobConfig, trainable, train: EncodedDemonstrations,
-           validation: EncodedDemonstrations, logger: MetricsLogger, pad_id: int, device) -> int:
+           validation: EncodedDemonstrations, logger: MetricsLogger, pad_id: int) -> int:
     """The epochs of optimizer steps, logging each and the held-out loss when due; returns the
     number of steps."""
     from megatron.core import parallel_state
@@ -95,10 +95,8 @@ def _train(config: JobConfig, trainable, train: EncodedDemonstrations,
             for index in range(steps_per_epoch):
                 started = time.perf_counter()
                 rows = rank_rows(order, index, sft.batch_size, dp_rank, dp_size)
-                batch = {name: tensor.to(device)
-                         for name, tensor in make_batch(train, rows, pad_id).items()}
-                metrics = train_step(trainable, batch, sft.micro_batch_size, sft_loss, "lm",
-                                     vocab_size)
+                metrics = train_step(trainable, make_batch(train, rows, pad_id),
+                                     sft.micro_batch_size, sft_loss, "lm", vocab_size)
                 step += 1
                 bar.update(1)
                 seconds = time.perf_counter() - started
@@ -112,7 +110,7 @@ def _train(config: JobConfig, trainable, train: EncodedDemonstrations,
                 due = step % sft.eval_every == 0 if sft.eval_every else epoch_done
                 if validation.token_ids and (due or (epoch_done and epoch == sft.epochs - 1)):
                     loss = validation_loss(trainable.chunks, validation, sft.micro_batch_size,
-                                           vocab_size, pad_id, device)
+                                           vocab_size, pad_id)
                     logger.log(step, {"sft/val_loss": loss}, prefix="eval")
     return step
 
@@ -141,20 +139,20 @@ def _refuse_existing_run(output_dir: str) -> None:
 
 @torch.no_grad()
 def validation_loss(chunks: list, examples: EncodedDemonstrations, micro_batch_size: int,
-                    vocab_size: int, pad_id: int, device) -> float:
+                    vocab_size: int, pad_id: int) -> float:
     """Token-mean negative log-likelihood of the responses, over all data-parallel ranks."""
     from megatron.core import parallel_state
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     rows = list(range(dp_rank, len(examples.token_ids), dp_size))
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    group = parallel_state.get_data_parallel_group()
+    totals = torch.zeros(2, dtype=torch.float64, device=collective_device(group))
     for start in range(0, len(rows), micro_batch_size):
         chunk = rows[start:start + micro_batch_size]
-        batch = {name: tensor.to(device)
-                 for name, tensor in make_batch(examples, chunk, pad_id).items()}
+        batch = make_batch(examples, chunk, pad_id)
         logprobs = compute_outputs(chunks, batch, len(chunk), "lm", vocab_size)["logprobs"]
         mask = batch["loss_mask"].double()
-        totals += torch.stack([-(logprobs.double() * mask).sum(), mask.sum()])
-    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        totals += torch.stack([-(logprobs.double() * mask).sum(), mask.sum()]).to(totals.device)
+    dist.all_reduce(totals, group=group)
     return (totals[0] / totals[1].clamp(min=1)).item()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from mcore_rl.config import ConfigError, InitConfig, JobConfig
 from mcore_rl.conversion.architectures import ARCHITECTURES, Architecture, architecture_for
 from mcore_rl.models import DTYPES, build_gpt_model
-from mcore_rl.models.pretrained import load_initial_weights
+from mcore_rl.models.pretrained import build_from_init
 from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.roles import Actor, Critic, Reference, RewardModel
@@ -37,11 +37,11 @@ class Roles:
 def build_roles(config: JobConfig, device: torch.device) -> Roles:
     """Actor (+ critic, + reference) with their starting weights from `config.init`."""
     precision, temperature = config.runtime.precision, config.rollout.sampling.temperature
-    policy = build_gpt_model(config.model, config.parallel, precision, "lm", device)
-    load_initial_weights(policy, config.init, config.model)
+    policy = build_from_init(config.init, config.model, config.parallel, precision, "lm", device)
     reference = None
     if config.algorithm.needs_reference:
-        frozen = build_gpt_model(config.model, config.parallel, precision, "lm", device)
+        frozen = build_gpt_model(config.model, config.parallel, precision, "lm", device,
+                                 random_init=False)
         with torch.no_grad():
             for copy, original in zip(frozen.parameters(), policy.parameters(), strict=True):
                 copy.copy_(original)
@@ -54,8 +54,8 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
                   config.actor.max_tokens_per_micro_batch)
     critic = None
     if config.algorithm.needs_critic:
-        value_model = build_gpt_model(config.model, config.parallel, precision, "scalar", device)
-        load_initial_weights(value_model, critic_init(config), config.model, head="scalar")
+        value_model = build_from_init(critic_init(config), config.model, config.parallel,
+                                      precision, "scalar", device)
         critic = Critic(make_trainable(value_model, config.critic.optimizer, precision),
                         config.critic.micro_batch_size, config.algorithm,
                         config.critic.max_tokens_per_micro_batch)
@@ -84,7 +84,8 @@ def build_reward_model(config: JobConfig, device: torch.device) -> RewardModel:
                         f"({config.model.vocab_size}); the reward model must share the tokenizer")
     if problems:
         raise ConfigError(f"reward.model_path={path}: " + "; ".join(problems))
-    module = build_gpt_model(model, config.parallel, config.runtime.precision, "scalar", device)
+    module = build_gpt_model(model, config.parallel, config.runtime.precision, "scalar", device,
+                             random_init=False)
     with torch.no_grad():
         copy_into_stage(module, scalar_shards_from_hf(hf, arch, model, megatron_coordinates()))
     return RewardModel(module, config.actor.micro_batch_size)
@@ -118,13 +119,24 @@ def context_length(config: JobConfig, max_prompt_tokens: int) -> int:
     return max_prompt_tokens + config.rollout.sampling.max_new_tokens
 
 
-def build_engine(config: JobConfig, actor: Actor, max_prompt_tokens: int
-                 ) -> tuple[RolloutEngine, Resharder | None]:
-    """The rollout engine and, for an engine with its own weights, the resharder that feeds
-    it from the actor's shards."""
+def build_engine_and_roles(config: JobConfig, device: torch.device, max_prompt_tokens: int
+                           ) -> tuple[RolloutEngine, Resharder | None, Roles]:
+    """The rollout engine, the resharder that feeds it (None when it generates on the actor's
+    own parameters) and the roles. vLLM starts first: it needs its share of the GPU
+    (rollout.gpu_memory_utilization) free at start-up, and it sleeps at once, so the roles
+    get that memory back until the first generate. The Megatron engine comes after, on the
+    actor's module."""
     length = context_length(config, max_prompt_tokens)
-    if config.rollout.engine == "megatron":
-        return MegatronEngine(actor.module, config.model, length, seed=config.runtime.seed), None
+    if config.rollout.engine == "vllm":
+        engine, resharder = build_vllm_engine(config, length)
+        return engine, resharder, build_roles(config, device)
+    roles = build_roles(config, device)
+    engine = MegatronEngine(roles.actor.module, config.model, length, seed=config.runtime.seed)
+    return engine, None, roles
+
+
+def build_vllm_engine(config: JobConfig, context: int):
+    """A sleeping vLLM engine for sequences of `context` tokens, and its resharder."""
     from mcore_rl.rollout.vllm_engine import VllmEngine, write_config_folder
 
     architecture = hf_architecture(config)
@@ -133,10 +145,13 @@ def build_engine(config: JobConfig, actor: Actor, max_prompt_tokens: int
         write_config_folder(config.model, architecture, folder)
     dist.barrier()
     dtype = DTYPES[config.runtime.precision]
-    engine = VllmEngine(folder, config.model, architecture, config.rollout.rollout_tp, length,
-                        dtype, seed=config.runtime.seed,
-                        gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+    rollout = config.rollout
+    engine = VllmEngine(folder, config.model, architecture, rollout.rollout_tp, context, dtype,
+                        seed=config.runtime.seed,
+                        gpu_memory_utilization=rollout.gpu_memory_utilization,
+                        cuda_graphs=rollout.cuda_graphs, sleep_level=rollout.sleep_level,
                         timeout_minutes=config.runtime.collective_timeout_minutes)
+    engine.sleep()
     training = megatron_training_layout(config.model)
     plan = build_plan(training, make_rollout_layout(training, engine.weight_layout, 1), dtype)
     return engine, Resharder(plan)

@@ -18,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from mcore_rl.runtime.devices import collective_device
+
 
 class PhaseTimer:
     """Wall-clock seconds per named phase of one step (`with timer("generate"): ...`)."""
@@ -81,13 +83,6 @@ class SumsAndCounts:
         result = {name: float(totals[i, 0] / max(totals[i, 1], 1)) for i, name in enumerate(names)}
         result.update(zip(sorted(self.maxima), maxima.cpu().tolist()))
         return result
-
-
-def collective_device(group) -> torch.device:
-    """Where tensors for a collective over `group` must live (NCCL: this GPU; gloo: CPU)."""
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
-        else torch.device("cpu")
 
 
 def peak_memory_metrics() -> dict[str, float]:

@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config.rl import signal_from_name
-
-from .metrics import collective_device
+from mcore_rl.runtime.devices import collective_device
 
 PREEMPTED_EXIT_CODE = 75
 """`mcore-rl train`'s exit status after a save requested by the signal (EX_TEMPFAIL)."""

@@ -1,7 +1,8 @@
 """The RL trainer: one SPMD program on every rank, the step reading like its pseudocode.
 
     prompts    = data.next_batch(dp_rank)
-    sync weights actor -> engine (resharder); engine.wake(); generate; engine.sleep()
+    engine.wake_weights(); sync weights actor -> engine (resharder); park training state
+    engine.wake(); generate; engine.sleep(); restore training state
     rewards    = reward.score(samples)            (first rank of each model-parallel group)
     old_logp, ref_logp, values = actor / reference / critic forward passes
     advantages = estimator(rewards, values, groups)
@@ -32,6 +33,7 @@ from mcore_rl.evaluation import EvalSamples, Evaluator, default_evaluators, run_
 from mcore_rl.rewards import RewardResult
 from mcore_rl.runtime import initialize, print0, shutdown
 from mcore_rl.runtime.agreement import raise_on_any_rank
+from mcore_rl.runtime.devices import collective_device
 from mcore_rl.runtime.launch_env import read_launch_env
 from mcore_rl.runtime.progress import progress
 from mcore_rl.training.balance import balance_over_data_parallel
@@ -39,11 +41,10 @@ from mcore_rl.training.batches import pad_rows_to_multiple
 from mcore_rl.training.offload import HostParking
 
 from .api import with_actor_model
-from .build import build_engine, build_roles
+from .build import build_engine_and_roles
 from .data import TrainingData, load_training_data
 from .experience import Rollout, make_experience, mini_batches, select_groups, varied_groups
-from .metrics import (MetricsLogger, PhaseTimer, SumsAndCounts, collective_device,
-                      peak_memory_metrics)
+from .metrics import MetricsLogger, PhaseTimer, SumsAndCounts, peak_memory_metrics
 from .preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 
 
@@ -84,7 +85,7 @@ class Trainer:
             config = dataclasses.replace(config, critic=dataclasses.replace(
                 config.critic, init_path=critic_model))
         launch = read_launch_env()
-        self.config = validate_rl(config, launch.world_size)
+        config = self.config = validate_rl(config, launch.world_size)
         self.preemption = PreemptionFlag(config.trainer.save_signal)
         self.preempted = False
         """Whether fit() stopped early on trainer.save_signal (after saving)."""
@@ -100,9 +101,8 @@ class Trainer:
             config, parallel_state.get_data_parallel_rank(),
             parallel_state.get_data_parallel_world_size(), reward_fn,
             is_scorer=dist.get_rank() == self.mp_source)
-        self.roles = build_roles(config, self.runtime.device)
-        self.engine, self.weight_sync = build_engine(config, self.roles.actor,
-                                                     config.data.max_prompt_tokens)
+        self.engine, self.weight_sync, self.roles = build_engine_and_roles(
+            config, self.runtime.device, config.data.max_prompt_tokens)
         self.parkings = [HostParking(role.trainable) for role, role_config in
                          ((self.roles.actor, config.actor), (self.roles.critic, config.critic))
                          if role is not None and role_config.offload]
@@ -132,8 +132,6 @@ class Trainer:
         """Generate, score and evaluate one batch: this rank's share of `prompts` (a global list
         of texts or PromptRecords, identical on every rank) or the sampler's next batch."""
         started, timer, stats = time.perf_counter(), PhaseTimer(), SumsAndCounts()
-        with timer("reshard"):
-            self._sync_weights()
         if prompts is not None:
             rollout = self._rollout(*self.data.encode_global(prompts), timer)
         elif self.config.rollout.async_rollout:
@@ -321,7 +319,6 @@ class Trainer:
         evaluators (the built-ins and those registered); with a reference model also the KL of
         the policy to it on these responses."""
         records, token_ids = self.data.validation_shard()
-        self._sync_weights()
         sampling = dataclasses.replace(self.config.rollout.eval_sampling,
                                        stop_token_ids=self.data.stop_token_ids,
                                        seed=self.config.runtime.seed)
@@ -393,9 +390,15 @@ class Trainer:
 
     @contextlib.contextmanager
     def _engine_awake(self, timer: PhaseTimer | None = None):
-        """The engine holds its weights and KV cache only meanwhile; roles configured with
-        offload park their device memory in host memory for that time (phase 'switch')."""
+        """The engine holds its weights and KV cache only meanwhile, with the actor's current
+        weights; roles configured with offload park their device memory in host memory for
+        that time (phases 'switch' and 'reshard'). The order is the GPU's: weights are written
+        into mapped memory, and the KV cache returns once training state is parked."""
         timer = timer or PhaseTimer()
+        with timer("switch"):
+            self.engine.wake_weights()
+        with timer("reshard"):
+            self._sync_weights()
         with timer("switch"):
             for parking in self.parkings:
                 parking.park()
@@ -405,12 +408,13 @@ class Trainer:
         finally:
             with timer("switch"):
                 self.engine.sleep()
+                self.engine_weights_current &= self.engine.weights_survive_sleep
                 for parking in self.parkings:
                     parking.restore()
 
     def _sync_weights(self) -> None:
         """Send the actor's weights to the engine unless it already has them (an evaluation
-        right before the next step's rollout syncs once)."""
+        right before the next step's rollout syncs once, where sleeping keeps weights)."""
         if self.weight_sync is not None and not self.engine_weights_current:
             self.engine.update_weights(self.weight_sync.sync(
                 self.roles.actor.parameters_for_sync()))

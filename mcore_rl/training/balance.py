@@ -54,6 +54,8 @@ import heapq
 import torch
 import torch.distributed as dist
 
+from ..runtime.devices import collective_device
+
 Batch = dict[str, torch.Tensor]
 Assignment = list[list[tuple[int, int]]]
 """For each destination rank, the (source_rank, source_row) it holds, in its row order."""
@@ -308,7 +310,6 @@ def _gather_descriptions(description: dict, group) -> list[dict]:
 
 def _exchange(batch: Batch, assignment: Assignment, group, lengths: list[list[int]]) -> Batch:
     """Post every send and receive of this rank at once, wait, and build the new batch."""
-    from ..trainer.metrics import collective_device  # not at import time: trainer imports us
     ranks = dist.get_process_group_ranks(group)
     me = ranks.index(dist.get_rank())
     device = collective_device(group)

@@ -29,8 +29,8 @@ def check_batch(batch: Batch) -> None:
             raise ValueError(f"batch tensor '{name}' has {tensor.shape[0]} rows, "
                              f"input_ids has {ids.shape[0]}")
     lengths = mask.sum(dim=1)
-    expected = torch.arange(ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-    if not torch.equal(mask.bool(), expected.to(mask.device)):
+    expected = torch.arange(ids.shape[1], device=mask.device).unsqueeze(0) < lengths.unsqueeze(1)
+    if not torch.equal(mask.bool(), expected):
         raise ValueError("attention_mask must be right-padded: ones, then only zeros")
 
 

@@ -5,6 +5,10 @@ LM head, values for a scalar head) on every rank of the model-parallel group: th
 stage computes them and broadcasts them to the other stages, so SPMD code after it can treat
 all ranks alike. `train_step` runs forward-backward and one optimizer step.
 
+Batches may live anywhere (the trainer keeps them in host memory): each micro-batch is moved to
+the model's device as the schedule asks for it, so only one micro-batch at a time occupies the
+GPU, and outputs come back on the device of the batch that was passed in.
+
 Losses are global means by construction: a loss function returns a numerator and an integer
 denominator per micro-batch; Megatron (`calculate_per_token_loss`) sums the denominators over
 micro-batches and data-parallel ranks and divides the summed gradients by that total. A
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.logprobs import vocab_parallel_logprobs_and_entropy
+from ..runtime.devices import collective_device, module_device, to_device
 from .batches import (Batch, align_to_tokens, check_batch, split_micro_batches,
                       token_budget_micro_batches)
 from .optimizer import TrainableModel
@@ -32,24 +37,23 @@ LossFn = Callable[[dict, Batch], tuple]
 def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
                        vocab_size: int, temperature: float) -> dict:
     """Megatron's last-stage output [b, s, v_local or 1] -> token-aligned [b, s] tensors.
-    Logits are divided by the sampling temperature, so log-probs score the distribution the
-    engine sampled from."""
+    Logits are divided by the sampling temperature (in fp32, as the engine does), so log-probs
+    score the distribution the engine sampled from."""
     from megatron.core import parallel_state
 
     mask = micro_batch["attention_mask"]
     if head == "scalar":
         return {"values": align_to_tokens(output.squeeze(-1).float(), mask)}
     next_tokens = torch.roll(micro_batch["input_ids"], shifts=-1, dims=1)
-    if temperature != 1.0:
-        output = output / temperature
     logprobs, entropy = vocab_parallel_logprobs_and_entropy(
-        output, next_tokens, vocab_size, parallel_state.get_tensor_model_parallel_group())
+        output, next_tokens, vocab_size, parallel_state.get_tensor_model_parallel_group(),
+        temperature)
     return {"logprobs": align_to_tokens(logprobs, mask), "entropy": align_to_tokens(entropy, mask)}
 
 
 def _forward_step(head: str, vocab_size: int, temperature: float, loss_fn: LossFn | None,
-                  data_iterator, model):
-    micro_batch = next(data_iterator)
+                  device: torch.device, data_iterator, model):
+    micro_batch = to_device(next(data_iterator), device)
     input_ids = micro_batch["input_ids"]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     output = model(input_ids, positions, attention_mask=None)
@@ -59,9 +63,10 @@ def _forward_step(head: str, vocab_size: int, temperature: float, loss_fn: LossF
         if non_loss_data:
             return {name: tensor.detach() for name, tensor in outputs.items()}
         numerator, denominator, metrics = loss_fn(outputs, micro_batch)
-        metrics = dict(metrics, loss_numerator=numerator.detach(),
-                       loss_denominator=torch.as_tensor(denominator, dtype=torch.float32))
-        return numerator, torch.as_tensor(denominator, dtype=torch.int), metrics
+        device = numerator.device
+        metrics = dict(metrics, loss_numerator=numerator.detach(), loss_denominator=torch.as_tensor(
+            denominator, dtype=torch.float32, device=device))
+        return numerator, torch.as_tensor(denominator, dtype=torch.int, device=device), metrics
 
     return output, loss_func
 
@@ -93,7 +98,8 @@ def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_siz
     # With variable shapes (a token budget) Megatron sends each shape ahead between stages.
     batch_size, seq_length = micro_batches[0]["input_ids"].shape
     return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, head, vocab_size, temperature, loss_fn),
+        forward_step_func=partial(_forward_step, head, vocab_size, temperature, loss_fn,
+                                  module_device(chunks[0])),
         data_iterator=iter(micro_batches),
         model=chunks,
         num_microbatches=len(micro_batches),
@@ -138,7 +144,8 @@ def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str
     for name in names:
         local = _in_batch_order([out[name] for out in per_micro_batch], order, shape) \
             if last_stage else None
-        results[name] = _broadcast_from_last_stage(local, shape, batch["input_ids"].device)
+        broadcast = _broadcast_from_last_stage(local, shape, module_device(chunks[0]))
+        results[name] = broadcast.to(batch["input_ids"].device)
     return results
 
 
@@ -148,7 +155,7 @@ def _in_batch_order(outputs: list[torch.Tensor], order: torch.Tensor | None,
     if order is None:
         return torch.cat(outputs)
     result = outputs[0].new_zeros(shape)
-    result[order] = torch.cat([torch.nn.functional.pad(out, (0, shape[1] - out.shape[1]))
+    result[order.to(result.device)] = torch.cat([torch.nn.functional.pad(out, (0, shape[1] - out.shape[1]))
                                for out in outputs])
     return result
 
@@ -168,7 +175,7 @@ def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_
     micro_batches, _ = _micro_batches(model.chunks, batch, micro_batch_size, max_tokens)
     per_micro_batch = _run_schedule(model.chunks, micro_batches, head, vocab_size, temperature,
                                     loss_fn, False)
-    metrics = _reduce_metrics(per_micro_batch, batch["input_ids"].device)
+    metrics = _reduce_metrics(per_micro_batch)
     finite = math.isfinite(metrics["loss"]) and _gradients_finite(model.chunks)
     updated, grad_norm = False, float("nan")
     if finite:
@@ -183,7 +190,7 @@ def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_
 def _gradients_finite(chunks: list) -> bool:
     """True when every rank's reduced gradients are finite (checked before the optimizer step,
     since Megatron only checks for inf/nan when a loss scaler is in use)."""
-    bad = torch.zeros(1, device=next(chunks[0].parameters()).device)
+    bad = torch.zeros(1, device=collective_device())
     for chunk in chunks:
         for param in chunk.parameters():
             grad = getattr(param, "main_grad", None)
@@ -194,7 +201,7 @@ def _gradients_finite(chunks: list) -> bool:
     return not bool(bad.item())
 
 
-def _reduce_metrics(per_micro_batch: list[dict], device) -> dict:
+def _reduce_metrics(per_micro_batch: list[dict]) -> dict:
     """Global loss and mean loss-function metrics, computed on the last stage over the DP group
     and sent to the other stages."""
     from megatron.core import parallel_state
@@ -203,14 +210,16 @@ def _reduce_metrics(per_micro_batch: list[dict], device) -> dict:
     if parallel_state.is_pipeline_last_stage():
         names = sorted(name for name in per_micro_batch[0]
                        if name not in ("loss_numerator", "loss_denominator"))
+        group = parallel_state.get_data_parallel_group()
+        device = collective_device(group)
         totals = torch.zeros(3 + len(names), dtype=torch.float64, device=device)
         for metrics in per_micro_batch:
-            totals[0] += metrics["loss_numerator"].double()
-            totals[1] += metrics["loss_denominator"].double()
+            totals[0] += metrics["loss_numerator"].double().to(device)
+            totals[1] += metrics["loss_denominator"].double().to(device)
             totals[2] += 1
             for index, name in enumerate(names):
-                totals[3 + index] += torch.as_tensor(metrics[name]).double()
-        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+                totals[3 + index] += torch.as_tensor(metrics[name], device=device).double()
+        dist.all_reduce(totals, group=group)
         reduced = {"loss": (totals[0] / totals[1].clamp(min=1)).item()}
         reduced.update({name: (totals[3 + index] / totals[2]).item()
                         for index, name in enumerate(names)})

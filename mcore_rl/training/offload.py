@@ -12,15 +12,25 @@ for the next time, then resized to zero bytes, which frees its device memory whi
 keeps pointing at it; `restore` resizes it back and copies the bytes in. Gradient buffers are
 not copied: Megatron zeroes them before each step, so they come back zeroed.
 
+The host copies share one arena per model, sized to the bytes parked. On a GPU machine it is
+page-locked by registering ordinary host memory with CUDA (so copies are asynchronous DMA), not
+taken from the pinned caching allocator, which rounds every allocation up to a power of two
+and would reserve up to twice the model's state in host memory per rank.
+
 The same code runs on CPU (the "device" storage is then host memory), which is how the tests
 check that a parked and restored model trains bitwise like one that never moved.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .optimizer import TrainableModel, inner_optimizers
+
+_ALIGNMENT = 512
+"""Byte alignment of each storage's copy in the arena (whole DMA-friendly blocks)."""
 
 
 def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
@@ -50,13 +60,13 @@ class HostParking:
 
     def __init__(self, trainable: TrainableModel):
         self.trainable = trainable
-        self.kept: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
-        """(device storage, its host copy) of what is parked now."""
+        self.kept: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        """(device storage, its bytes in the arena) of what is parked now."""
         self.discarded: list[tuple[torch.UntypedStorage, int]] = []
         """(device storage, its size in bytes) of parked gradient buffers."""
-        self._host_buffers: list[torch.UntypedStorage] = []
-        """Host copies, allocated at the first park and reused (the set of storages and their
-        order do not change between parks)."""
+        self._arena: HostArena | None = None
+        """Host memory for the copies, kept for the next park (grown when the optimizer's
+        state appears after the first step)."""
 
     @property
     def parked(self) -> bool:
@@ -78,11 +88,13 @@ class HostParking:
         if self.parked:
             raise RuntimeError("HostParking.park: the model is already parked")
         gradients = _distinct_storages(self._gradient_tensors())
-        kept = {ptr: storage for ptr, storage in _distinct_storages(self._kept_tensors()).items()
-                if ptr not in gradients}
-        for index, storage in enumerate(kept.values()):
-            host = self._host_buffer(index, storage.nbytes())
-            host.copy_(storage, non_blocking=True)
+        kept = [storage for ptr, storage in _distinct_storages(self._kept_tensors()).items()
+                if ptr not in gradients]
+        offsets = _aligned_offsets([storage.nbytes() for storage in kept])
+        arena = self._arena_of(offsets[-1])
+        for storage, start in zip(kept, offsets):
+            host = arena.bytes[start:start + storage.nbytes()]
+            host.copy_(_as_bytes(storage), non_blocking=True)
             self.kept.append((storage, host))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -99,8 +111,8 @@ class HostParking:
     def restore(self) -> None:
         """Bring everything back where it was (gradient buffers zeroed)."""
         for storage, host in self.kept:
-            storage.resize_(host.nbytes())
-            storage.copy_(host, non_blocking=True)
+            storage.resize_(host.numel())
+            _as_bytes(storage).copy_(host, non_blocking=True)
         for storage, size in self.discarded:
             storage.resize_(size)
             storage.fill_(0)
@@ -108,12 +120,40 @@ class HostParking:
             torch.cuda.synchronize()
         self.kept, self.discarded = [], []
 
-    def _host_buffer(self, index: int, nbytes: int) -> torch.UntypedStorage:
-        """The index-th host buffer (pinned on GPU machines, so copies are asynchronous)."""
-        if index == len(self._host_buffers):
-            self._host_buffers.append(torch.empty(
-                nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()).untyped_storage())
-        if self._host_buffers[index].nbytes() != nbytes:
-            raise RuntimeError(f"HostParking: storage {index} changed size since the last park "
-                               f"({self._host_buffers[index].nbytes()} -> {nbytes} bytes)")
-        return self._host_buffers[index]
+    def _arena_of(self, nbytes: int) -> "HostArena":
+        if self._arena is None or self._arena.bytes.numel() < nbytes:
+            self._arena = HostArena(nbytes)
+        return self._arena
+
+
+class HostArena:
+    """`nbytes` of host memory, page-locked for the GPU where there is one."""
+
+    def __init__(self, nbytes: int):
+        self.bytes = torch.empty(nbytes, dtype=torch.uint8)
+        self._registered = False
+        if torch.cuda.is_available() and nbytes:
+            status = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), nbytes, 0)
+            if int(status) != 0:
+                raise RuntimeError(f"cudaHostRegister of a {nbytes / 2 ** 30:.1f} GiB parking "
+                                   f"arena failed (error {int(status)}): not enough lockable "
+                                   "host memory (ulimit -l, or the node's RAM)")
+            self._registered = True
+
+    def __del__(self):
+        if self._registered:
+            with contextlib.suppress(Exception):  # the CUDA runtime may be gone at exit
+                torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage (made anew after each resize)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _aligned_offsets(sizes: list[int]) -> list[int]:
+    """Start of each size in an arena (aligned), then the arena's total size."""
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + -(-size // _ALIGNMENT) * _ALIGNMENT)
+    return offsets

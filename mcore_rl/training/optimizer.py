@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import OptimizerConfig
+from ..config.runtime import resolve_precision
 from ..models.transformer_config import DTYPES
 
 
@@ -52,6 +53,7 @@ def build_optimizer(chunks: list, optim: OptimizerConfig, precision: str):
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
+    precision = resolve_precision(precision)
     megatron_config = MegatronOptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
