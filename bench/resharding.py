@@ -21,7 +21,6 @@ import argparse
 import os
 import sys
 import tempfile
-import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +36,7 @@ from mcore_rl.resharding import (Resharder, TrainingLayout, build_plan,  # noqa:
                                  make_rollout_layout)
 from mcore_rl.resharding.full_gather import FullGatherSync, full_gather_transfers  # noqa: E402
 from mcore_rl.resharding.plan import lower_bound_received, traffic_of  # noqa: E402
+from mcore_rl.runtime.memory import PeakMemory  # noqa: E402
 from world import run_world  # noqa: E402
 
 MODEL = ModelConfig(num_layers=8, hidden_size=512, ffn_hidden_size=1536, num_attention_heads=8,
@@ -50,39 +50,6 @@ PAIRS = {
 ENGINES = ("vllm", "megatron")
 
 
-class PeakRss:
-    """Peak resident memory above the starting level, sampled every millisecond."""
-
-    def __init__(self):
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self.start = self._rss()
-        self.peak = self.start
-        self._stop = False
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * self._page
-
-    def _sample(self):
-        while not self._stop:
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.001)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop = True
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.start
-
-
 def _drain(stream) -> None:
     for _name, tensor in stream:
         del tensor
@@ -90,11 +57,11 @@ def _drain(stream) -> None:
 
 def _timed(sync, local) -> tuple[float, int]:
     dist.barrier()
-    with PeakRss() as rss:
+    with PeakMemory() as peak:
         start = time.perf_counter()
         _drain(sync.sync(local))
         seconds = time.perf_counter() - start
-    return seconds, rss.extra
+    return seconds, peak.extra_bytes
 
 
 def _verify(sync, local, full, rollout) -> None:

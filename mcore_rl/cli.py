@@ -79,8 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan(args) -> None:
-    from .resharding.dry_run import estimate, table_header, table_row
-    from .resharding.layouts import TrainingLayout
+    from .resharding.dry_run import production_estimate, table_header, table_row
 
     model = load_config(args.model).model
     links = Links(args.gpus_per_node, args.intra_node_gbps, args.inter_node_gbps)
@@ -90,10 +89,10 @@ def _plan(args) -> None:
         if gpus % replica:
             raise ValueError(f"--gpus {gpus} is not a multiple of --train-tp x --train-pp = "
                              f"{replica}")
-        training = TrainingLayout(model, args.train_tp, args.train_pp, gpus // replica)
-        rollout, estimates = estimate(training, args.engine, args.rollout_tp,
-                                      DTYPES[args.dtype], links, int(args.bucket_mb * 1024 ** 2))
-        print(table_row(training, rollout, estimates), flush=True)
+        production = production_estimate(model, args.train_tp, args.train_pp, gpus // replica,
+                                         args.engine, args.rollout_tp, DTYPES[args.dtype],
+                                         links, int(args.bucket_mb * 1024 ** 2))
+        print(table_row(production), flush=True)
 
 
 def _convert(args) -> None:

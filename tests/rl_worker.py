@@ -212,3 +212,29 @@ def steps_under_device_discipline(out_path: str, overrides: list[str]) -> None:
     if rank == 0:
         torch.save({"history": history, "evaluation": evaluation, "caught": caught,
                     "synced": synced}, out_path)
+
+
+def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
+    """Two GRPO steps through vLLM (the second after an optimizer step and a new sync), then
+    vLLM's greedy responses next to the Megatron engine's on the actor itself (the trainer's
+    argmax). Rank 0 saves the metrics, the chosen rank order and both greedy token lists."""
+    from mcore_rl.config.rollout import PromptConfig, SamplingConfig
+    from mcore_rl.rollout import MegatronEngine
+
+    trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    history = [trainer.train_step() for _ in range(2)]
+    _, prompts = trainer.data.next_batch()
+    greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=4)
+    config = PromptConfig(max_prompt_tokens=trainer.config.data.max_prompt_tokens)
+    with trainer._engine_awake():
+        vllm_greedy = trainer.engine.generate(prompts, greedy, config)
+    megatron = MegatronEngine(trainer.roles.actor.module, trainer.config.model, 16)
+    megatron_greedy = megatron.generate(prompts, greedy, config)
+    result = {"history": history, "rank_order": trainer.config.parallel.rank_order,
+              "vllm": [c.token_ids for c in vllm_greedy.completions],
+              "megatron": [c.token_ids for c in megatron_greedy.completions]}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, result)
+    if dist.get_rank() == 0:
+        torch.save(everyone, out_path)
+    trainer.close()

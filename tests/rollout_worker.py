@@ -19,7 +19,7 @@ from mcore_rl.conversion.architectures import ARCHITECTURES
 from mcore_rl.models import build_gpt_model, load_full_state
 from mcore_rl.models.weights import local_parameters
 from mcore_rl.parallel import sharding
-from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
+from mcore_rl.resharding import Resharder, TrainingLayout, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.rollout import (EngineError, MegatronEngine, PromptError, logprob_mismatch)
 from mcore_rl.runtime import initialize, shutdown
@@ -162,9 +162,10 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
     dist.barrier()
     vllm = VllmEngine(config_dir, MODEL, LLAMA, rollout_tp=2, context_length=CONTEXT,
                       dtype=torch.float32)
-    to_full = Resharder(build_plan(training, make_rollout_layout(training, "full", 1),
+    to_vllm = Resharder(build_plan(training, make_rollout_layout(training, "vllm", 2),
                                    torch.float32))
-    sync = lambda: vllm.update_weights(to_full.sync(local_parameters(actor)))  # noqa: E731
+    vllm.check_plan(to_vllm.plan.wanted_shapes(rank), torch.float32)
+    sync = lambda: vllm.update_weights(to_vllm.sync(local_parameters(actor)))  # noqa: E731
     from vllm.distributed.parallel_state import get_tp_group
 
     results["vllm_tp_group_size"] = get_tp_group().world_size
@@ -176,6 +177,20 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
     results["vllm_stale_argmax"] = trainer_scores(actor, stale)["argmax"]
     sync()
     results["vllm_updated"] = trainer_scores(actor, vllm.generate(prompts, GREEDY, PROMPT_CONFIG))
+
+    # A plan for another model (a QKV bias vLLM lacks, a wider MLP) is refused on every rank
+    # before anything moves, and the engine keeps generating with the weights it has.
+    other = dataclasses.replace(MODEL, qkv_bias=True, ffn_hidden_size=2 * MODEL.ffn_hidden_size)
+    other_training = TrainingLayout(other, training.tp, 1, training.dp)
+    wrong = build_plan(other_training, make_rollout_layout(other_training, "vllm", 2),
+                       torch.float32)
+    try:
+        vllm.check_plan(wrong.wanted_shapes(rank), torch.bfloat16)
+        results["vllm_wrong_plan"] = "no error"
+    except EngineError as error:
+        results["vllm_wrong_plan"] = str(error)
+    results["vllm_after_refusal"] = vllm.generate(prompts, GREEDY, PROMPT_CONFIG).completions[
+        0].token_ids
 
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, results)

@@ -64,6 +64,19 @@ def test_plan_reports_the_hand_counted_bytes(tmp_path):
         assert float(cells[4]) == pytest.approx(lacking / full_gather, abs=0.006)
 
 
+def test_plan_reports_the_rank_order_train_uses(tmp_path):
+    """TP2 x PP2 -> vLLM TP4: the trainer lays PP fastest, so that each rank's rollout quarter
+    lies in its training half; the table shows that order and the default order's bytes."""
+    done = run_plan(tmp_path, "--train-tp", "2", "--train-pp", "2", "--rollout-tp", "4",
+                    "--gpus", "4")
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 4 |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    ours = float(cells[3].split(" / ")[0])
+    assert cells[7].split("-").index("pp") < cells[7].split("-").index("tp")
+    assert float(cells[8]) == pytest.approx(2 * ours, abs=0.01)
+
+
 def test_plan_refuses_a_world_that_is_not_whole_replicas(tmp_path):
     done = run_plan(tmp_path, "--train-tp", "2", "--train-pp", "2", "--rollout-tp", "2",
                     "--gpus", "6")

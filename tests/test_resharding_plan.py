@@ -8,6 +8,7 @@ number of values of its rollout shard that appear nowhere in its training shard.
 """
 
 import dataclasses
+from itertools import permutations
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from mcore_rl.config import ModelConfig
 from mcore_rl.parallel import sharding
 from mcore_rl.resharding import PlanError, TrainingLayout, build_plan, make_rollout_layout
 from mcore_rl.resharding.full_gather import full_gather_transfers
+from mcore_rl.resharding.layouts import DEFAULT_ORDER
 from mcore_rl.resharding.plan import bucket_load, traffic_of
+from mcore_rl.resharding.rank_order import choose_training_order, tp_groups_within_nodes
 from resharding_reference import expected_shards, reference_full_state
 
 # 8 heads, 2 KV heads (TP 4 and 8 replicate KV heads in vLLM); vocab 1000 is padded differently
@@ -33,7 +36,9 @@ PAIRS = [
     ((4, 2, 1), ("vllm", 2)), ((2, 2, 2), ("vllm", 4)), ((2, 2, 1), ("megatron", 4)),
     ((4, 2, 1), ("megatron", 2)), ((2, 2, 2), ("megatron", 4)), ((1, 1, 4), ("vllm", 4)),
     ((4, 1, 2), ("vllm", 8)), ((2, 2, 1), ("full", 1)), ((2, 4, 1), ("megatron", 8)),
+    ((2, 2, 1, ("pp", "tp", "dp")), ("vllm", 4)), ((4, 2, 1, ("pp", "dp", "tp")), ("vllm", 2)),
 ]
+"""Training dims may name a rank order (fastest first) other than Megatron's default."""
 
 
 def training_shards(full_state, layout: TrainingLayout) -> dict[int, dict[str, torch.Tensor]]:
@@ -86,7 +91,8 @@ def brute_force_lower_bound(model, layout, rollout) -> list[int]:
 
 @pytest.mark.parametrize("model", [MODEL, TIED], ids=["untied", "tied"])
 @pytest.mark.parametrize("training_dims,rollout_dims", PAIRS,
-                         ids=[f"tp{t}pp{p}dp{d}-{e}{r}" for (t, p, d), (e, r) in PAIRS])
+                         ids=[f"tp{t}pp{p}dp{d}{''.join('-' + '-'.join(o) for o in order)}-{e}{r}"
+                              for (t, p, d, *order), (e, r) in PAIRS])
 def test_plan_delivers_reference_shards_and_only_missing_rows(model, training_dims,
                                                               rollout_dims):
     layout = TrainingLayout(model, *training_dims)
@@ -122,11 +128,44 @@ def test_vllm_grouping_is_consecutive_and_megatron_grouping_overlaps_training_sh
     assert megatron_bytes < 0.8 * vllm_bytes
 
 
+@pytest.mark.parametrize("training_dims,rollout_tp,beats_default", [
+    ((2, 2, 1), 4, True), ((2, 1, 2), 4, True), ((4, 2, 1), 2, False), ((1, 4, 1), 2, False),
+    ((2, 1, 2), 2, False)])
+def test_chosen_rank_order_minimises_the_busiest_receiver(training_dims, rollout_tp,
+                                                          beats_default):
+    """Against every order's real plan: the chosen one's busiest rank receives least. Where
+    vLLM's consecutive rollout groups cut across the default order's TP groups (TP2 x PP2 or
+    TP2 x DP2 -> rollout TP4) the choice beats the default; TP4 x PP2 -> TP2 would need each
+    rank's quarter inside its half, which no order of whole dimensions gives."""
+    def busiest(order):
+        layout = TrainingLayout(MODEL, *training_dims, order)
+        plan = build_plan(layout, make_rollout_layout(layout, "vllm", rollout_tp), torch.float32)
+        return int(plan.traffic().received.max())
+
+    chosen = choose_training_order(MODEL, *training_dims, rollout_tp, ranks_per_node=8)
+    by_order = {order: busiest(order) for order in permutations(DEFAULT_ORDER)}
+    assert busiest(chosen) == min(by_order.values())
+    if beats_default:
+        assert busiest(chosen) < by_order[DEFAULT_ORDER]
+    else:
+        assert chosen == DEFAULT_ORDER  # nothing to gain: the default stays
+
+
+def test_rank_order_keeps_training_tp_groups_inside_a_node():
+    # Two ranks per node: PP-fastest orders would split TP2 groups over two nodes.
+    chosen = choose_training_order(MODEL, 2, 2, 1, 4, ranks_per_node=2)
+    assert tp_groups_within_nodes(TrainingLayout(MODEL, 2, 2, 1, chosen), 2)
+    assert not tp_groups_within_nodes(TrainingLayout(MODEL, 2, 2, 1, ("pp", "tp", "dp")), 2)
+
+
 def test_rank_of_inverts_coordinates():
     layout = TrainingLayout(MODEL, 2, 2, 2)
     assert [layout.rank_of(*layout.coordinates(rank)) for rank in range(8)] == list(range(8))
     # Megatron's default order: TP fastest, then DP, then PP
     assert [layout.coordinates(rank) for rank in (1, 2, 4)] == [(1, 0, 0), (0, 0, 1), (0, 1, 0)]
+    pp_first = TrainingLayout(MODEL, 2, 2, 2, ("pp", "tp", "dp"))
+    assert [pp_first.coordinates(rank) for rank in (1, 2, 4)] == [(0, 1, 0), (1, 0, 0), (0, 0, 1)]
+    assert [pp_first.rank_of(*pp_first.coordinates(rank)) for rank in range(8)] == list(range(8))
 
 
 def test_plan_is_deterministic():

@@ -5,7 +5,8 @@ brings its own prompts and the vLLM TP2 group pools them and hands each rank its
 
 Parity: greedy responses are the trainer's teacher-forced argmax, and the engine's log-probs of
 sampled tokens equal the trainer's recomputed ones within 1e-4 (fp32). Weight updates go through
-the real resharder and must change what the engine generates."""
+the real resharder (vLLM: each rank receives only its rollout-TP2 shard in vLLM's layout, loaded
+in place) and must change what the engine generates."""
 
 import os
 
@@ -124,6 +125,19 @@ def test_resharded_weights_change_what_the_engines_generate(results):
         assert rank_results["vllm_updated"]["argmax"]
         assert rank_results["vllm_updated"]["mismatch"]["rollout/logprob_abs_diff_max"] \
             <= TOLERANCE
+
+
+def test_plan_that_does_not_fit_the_engine_is_refused_on_every_rank(results):
+    """Before any byte moves: the message names what differs, the same on both ranks, and
+    the engine generates as before."""
+    for rank_results in results:
+        message = rank_results["vllm_wrong_plan"]
+        assert message.startswith("the weight sync does not fit the engine: rank 0: ")
+        assert "rank 1: " in message
+        assert "the plan sends torch.bfloat16, the engine holds torch.float32" in message
+        assert "the plan sends model.layers.0.self_attn.qkv_proj.bias" in message
+        assert "the plan sends model.layers.0.mlp.gate_up_proj.weight as (" in message
+        assert rank_results["vllm_after_refusal"] == rank_results["vllm_updated"]["tokens"][0]
 
 
 def test_engine_that_cannot_start_says_why_on_every_rank(results):

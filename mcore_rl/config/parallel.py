@@ -7,6 +7,12 @@ parallel dimensions, so it can never disagree with the launcher (`data_parallel_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import permutations
+
+MEGATRON_DEFAULT_ORDER = "tp-dp-pp"
+"""Megatron-Core's default rank order (tp-cp-ep-dp-pp with CP = EP = 1): TP varies fastest."""
+
+AUTO_ORDER = "auto"
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard activations along the sequence inside TP regions (needs TP > 1)."""
 
+    rank_order: str = AUTO_ORDER
+    """How the TP, DP and PP coordinates map onto consecutive ranks, fastest-varying first, as
+    Megatron's `order` (tp-dp-pp is Megatron's default). auto: an RL job generating with vLLM
+    picks the order that moves the fewest bytes to vLLM's tensor-parallel groups (consecutive
+    ranks) while keeping each training TP group inside a node; other jobs use tp-dp-pp."""
+
     @property
     def model_parallel_size(self) -> int:
         """Ranks holding one complete copy of the model."""
@@ -37,6 +49,10 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         """Model replicas in a world of this size."""
         return world_size // self.model_parallel_size
+
+    def megatron_order(self) -> str:
+        """The rank order Megatron is initialised with (auto still unresolved: the default)."""
+        return MEGATRON_DEFAULT_ORDER if self.rank_order == AUTO_ORDER else self.rank_order
 
     def check(self, world_size: int) -> list[str]:
         """Broken layout rules as messages naming the field (empty when valid)."""
@@ -52,6 +68,10 @@ class ParallelConfig:
                           "reserved for a later release)")
         if self.expert_model_parallel_size != 1:
             errors.append("parallel.expert_model_parallel_size must be 1 (MoE is not supported yet)")
+        orders = ["-".join(order) for order in permutations(MEGATRON_DEFAULT_ORDER.split("-"))]
+        if self.rank_order not in (AUTO_ORDER, *orders):
+            errors.append(f"parallel.rank_order={self.rank_order!r} must be auto or one of "
+                          f"{', '.join(orders)}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             errors.append("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
         if world_size % self.model_parallel_size:

@@ -98,6 +98,10 @@ class RolloutConfig:
     """Capture CUDA graphs for vLLM's decoding (faster decoding, slower start-up); false runs
     eagerly. CPU engines always run eagerly."""
 
+    sync_bucket_mb: int = 512
+    """Communication buffers per rank of one weight sync (two halves in flight): a sync's
+    peak extra memory is at most this plus one rollout shard of the largest parameter."""
+
     overlong: str = "keep"
     """Responses cut at max_new_tokens: keep (as they are), filter (no loss on them) or penalty
     (DAPO's soft overlong penalty over the last `overlong_buffer` tokens)."""
@@ -133,6 +137,8 @@ class RolloutConfig:
         if not 0 < self.gpu_memory_utilization < 1:
             errors.append(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must "
                           "be in (0, 1): training needs the rest of the GPU")
+        if self.sync_bucket_mb < 1:
+            errors.append(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be >= 1")
         if self.sleep_level not in (1, 2):
             errors.append(f"rollout.sleep_level={self.sleep_level} must be 1 or 2")
         if self.prompts_per_step < 1:

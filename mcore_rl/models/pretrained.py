@@ -13,6 +13,7 @@ import torch
 from ..checkpoint.weights_io import load_weights_into, megatron_coordinates, read_metadata
 from ..config import InitConfig, ModelConfig, ParallelConfig
 from ..parallel import sharding
+from ..runtime.devices import collective_device
 from .build import build_gpt_model
 from .weights import copy_into_stage, local_parameters
 
@@ -24,7 +25,30 @@ def build_from_init(init: InitConfig, model: ModelConfig, parallel: ParallelConf
     module = build_gpt_model(model, parallel, precision, head, device,
                              random_init=not (init.hf_path or init.checkpoint))
     load_initial_weights(module, init, model, head)
+    check_replicas_identical(module)
     return module
+
+
+@torch.no_grad()
+def check_replicas_identical(module: torch.nn.Module) -> None:
+    """Raise on every rank when the data-parallel replicas of this stage differ: gradients
+    are averaged over DP, so replicas that start apart (an RNG seeded differently on one
+    rank, a partial load) would train different models without any error."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    device = collective_device(group)
+    digest = torch.stack([statistic for param in module.parameters()
+                          for statistic in (param.double().sum(), param.double().square().sum())])
+    low, high = digest.to(device), digest.to(device).clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(low, high):
+        raise RuntimeError("the data-parallel replicas of the model start from different "
+                           "weights (seeding or loading differs between ranks)")
 
 
 @torch.no_grad()

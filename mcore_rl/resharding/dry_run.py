@@ -2,7 +2,8 @@
 
 For a model config and both layouts, three strategies are compared:
 
-* ``ours``: the plan mcore_rl executes (plan.py);
+* ``ours``: the plan mcore_rl executes (plan.py), in the training rank order `mcore-rl train`
+  chooses (rank_order.py; Megatron's default order's figure is shown beside it);
 * ``full-gather``: what verl, slime and NeMo-RL's colocated path do (full_gather.py): TP
   all-gather on the owning stage, then a broadcast through the pipeline; every rank gets every
   full tensor and slices it;
@@ -25,9 +26,10 @@ import torch
 from mcore_rl.parallel import sharding
 
 from .full_gather import full_gather_peak_bytes, full_gather_transfers
-from .layouts import RolloutLayout, TrainingLayout
+from .layouts import DEFAULT_ORDER, RolloutLayout, TrainingLayout
 from .plan import (Traffic, bucket_load, build_plan, lower_bound_received, make_rollout_layout,
                    traffic_of)
+from .rank_order import choose_training_order
 
 GB = 1e9
 
@@ -100,6 +102,34 @@ def estimate(training: TrainingLayout, engine: str, rollout_tp: int,
     ]
 
 
+@dataclass(frozen=True)
+class Production:
+    """What `mcore-rl train` does for one world: its rank order, layouts and estimates."""
+
+    training: TrainingLayout
+    rollout: RolloutLayout
+    estimates: list[Estimate]
+    default_order_received: float
+    """The busiest rank's bytes with Megatron's default rank order instead."""
+
+
+def production_estimate(model, tp: int, pp: int, dp: int, engine: str, rollout_tp: int,
+                        dtype: torch.dtype, links: Links = Links(),
+                        bucket_bytes: int = 512 * 1024 ** 2) -> Production:
+    """The estimates for the training rank order the trainer picks (for vLLM; other engines
+    keep Megatron's default order and plan their own grouping)."""
+    order = DEFAULT_ORDER
+    if engine == "vllm":
+        order = choose_training_order(model, tp, pp, dp, rollout_tp, links.gpus_per_node)
+    training = TrainingLayout(model, tp, pp, dp, order)
+    rollout, estimates = estimate(training, engine, rollout_tp, dtype, links, bucket_bytes)
+    default_received = estimates[0].max_received
+    if order != DEFAULT_ORDER:
+        default_received = estimate(TrainingLayout(model, tp, pp, dp), engine, rollout_tp, dtype,
+                                    links, bucket_bytes)[1][0].max_received
+    return Production(training, rollout, estimates, default_received)
+
+
 def _gib(value: float) -> str:
     return f"{value / 1024 ** 3:.2f}"
 
@@ -107,15 +137,17 @@ def _gib(value: float) -> str:
 def table_header() -> list[str]:
     return ["| GPUs | training TPxPPxDP | rollout TPxDP | max GiB received: ours / full-gather "
             "/ lower bound | ours / full-gather | est. s: ours / full-gather | peak extra GiB: "
-            "ours / full-gather |",
-            "|---:|---|---|---|---:|---|---|"]
+            "ours / full-gather | rank order | ours with Megatron's default order: max GiB |",
+            "|---:|---|---|---|---:|---|---|---|---:|"]
 
 
-def table_row(training: TrainingLayout, rollout: RolloutLayout, estimates: list[Estimate]) -> str:
-    ours, full, lower = estimates
+def table_row(production: Production) -> str:
+    training, rollout = production.training, production.rollout
+    ours, full, lower = production.estimates
     return (f"| {training.world_size} | {training.tp}x{training.pp}x{training.dp} | "
             f"{rollout.tp}x{rollout.dp} | {_gib(ours.max_received)} / "
             f"{_gib(full.max_received)} / {_gib(lower.max_received)} | "
             f"{ours.max_received / full.max_received:.2f} | "
             f"{ours.seconds:.2f} / {full.seconds:.2f} | "
-            f"{_gib(ours.peak_extra)} / {_gib(full.peak_extra)} |")
+            f"{_gib(ours.peak_extra)} / {_gib(full.peak_extra)} | {training.megatron_order} | "
+            f"{_gib(production.default_order_received)} |")

@@ -14,10 +14,10 @@ Buckets are cut from the global plan so that on every rank the bytes sent plus r
 bucket are at most half of ``bucket_bytes`` (a large parameter is spread over several buckets
 in row chunks); the next bucket's messages are posted before the current bucket's shards are
 handed out, so communication overlaps the engine's loading and at most ``bucket_bytes`` of
-communication buffers exist at once. A rollout shard is allocated when its parameter's first
-bucket arrives and handed out after its last; the consumer owns it. Peak extra memory is
-therefore ``bucket_bytes`` plus the shards under construction (one parameter's, two at a
-bucket boundary).
+communication buffers exist at once. Within a bucket, shards are filled parameter by parameter
+and each is handed out (the consumer owns it) as soon as its last rows are in, before the next
+one is allocated. Peak extra memory is therefore ``bucket_bytes`` plus one rollout shard, if
+the consumer lets go of each shard before it asks for the next (the vLLM engine does).
 
 Failure
 -------
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.agreement import raise_on_any_rank
-from .layouts import TrainingLayout
+from .layouts import DEFAULT_ORDER, TrainingLayout
 from .plan import BucketEntry, ParamPlan, PlanError, ReshardPlan, Transfer
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 ** 2
@@ -47,9 +47,10 @@ class _Bucket:
     """This rank's share of one bucket of the plan."""
 
     index: int
-    entries: list[BucketEntry]
-    """Parameters touched by the bucket, each with the runs the bucket carries."""
-    finished: list[ParamPlan]
+    placements: list[tuple[ParamPlan, list[tuple[int, int, Transfer]]]]
+    """Every parameter the bucket touches, in canonical order, with the runs this rank
+    receives of it: (sender, element offset in that sender's buffer, run)."""
+    finished: set[str]
     """Parameters whose last runs are in this bucket: their shards are complete after it."""
     sends: dict[int, list[tuple[ParamPlan, Transfer]]]
     """Receiver rank -> runs this rank sends it, in packing order."""
@@ -74,6 +75,8 @@ class Resharder:
         if bucket_bytes < 2 * plan.element_size:
             raise ValueError(f"bucket_bytes={bucket_bytes} is too small")
         self.plan = plan
+        self.bucket_bytes = bucket_bytes
+        """Communication buffers per rank (two half-size buckets in flight)."""
         self.rank = dist.get_rank()
         if dist.get_world_size() != plan.training.world_size:
             raise PlanError(f"the plan covers {plan.training.world_size} ranks but the world has "
@@ -95,14 +98,19 @@ class Resharder:
                   last_bucket: Mapping[str, int]) -> _Bucket:
         sends: dict[int, list] = {}
         receives: dict[int, list] = {}
+        placements, offsets = [], {}
         for param, runs in entries:
+            mine = []
             for run in runs:
                 if run.src == self.rank:
                     sends.setdefault(run.dst, []).append((param, run))
                 if run.dst == self.rank:
                     receives.setdefault(run.src, []).append((param, run))
-        finished = [param for param, _ in entries if last_bucket[param.source] == index]
-        return _Bucket(index, entries, finished, sends, receives)
+                    mine.append((run.src, offsets.get(run.src, 0), run))
+                    offsets[run.src] = offsets.get(run.src, 0) + _run_elements(param, run)
+            placements.append((param, mine))
+        finished = {param.source for param, _ in entries if last_bucket[param.source] == index}
+        return _Bucket(index, placements, finished, sends, receives)
 
     # ----------------------------------------------------------------------------------------
 
@@ -121,10 +129,7 @@ class Resharder:
             received = self._wait(pending)
             if position + 1 < len(self._buckets):
                 pending = self._post(self._buckets[position + 1], by_source)
-            self._unpack(bucket, by_source, received, partial)
-            for param in bucket.finished:
-                if param.source in partial:
-                    yield self.wanted[param.source].name, partial.pop(param.source)
+            yield from self._unpack(bucket, by_source, received, partial)
 
     def _check_inputs(self, local_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical source -> local tensor, after every rank agreed that all inputs are valid."""
@@ -190,19 +195,23 @@ class Resharder:
         return buffers
 
     def _unpack(self, bucket: _Bucket, by_source: Mapping[str, torch.Tensor],
-                received: Mapping[int, torch.Tensor], partial: dict[str, torch.Tensor]) -> None:
+                received: Mapping[int, torch.Tensor], partial: dict[str, torch.Tensor]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         """Write the bucket's rows into this rank's rollout shards (``partial``, by source),
-        starting a shard with its local rows the first time its parameter appears."""
-        for param, _ in bucket.entries:
-            if param.source in self.wanted and param.source not in partial:
+        parameter by parameter, handing each shard out as soon as it is complete and before
+        the next one is started: at most one shard under construction besides the bucket
+        (a shard begins with the rows this rank already has)."""
+        for param, runs in bucket.placements:
+            if param.source not in self.wanted:
+                continue
+            if param.source not in partial:
                 partial[param.source] = self._start_shard(param, by_source)
-        for src, runs in bucket.receives.items():
-            offset = 0
-            for param, run in runs:
+            for src, offset, run in runs:
                 count = _run_elements(param, run)
                 rows = received[src][offset:offset + count].view(_run_shape(param, run.length))
                 partial[param.source].narrow(param.dim, run.dst_offset, run.length).copy_(rows)
-                offset += count
+            if param.source in bucket.finished:
+                yield self.wanted[param.source].name, partial.pop(param.source)
 
     def _start_shard(self, param: ParamPlan, by_source: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """A new rollout shard of ``param`` holding the rows this rank already has (padding rows
@@ -217,17 +226,19 @@ class Resharder:
         return out
 
 
-def megatron_training_layout(model) -> TrainingLayout:
-    """The TrainingLayout of Megatron's current parallel state, after checking that this rank's
-    coordinates in it are the ones Megatron assigned (the plan relies on the rank order)."""
+def megatron_training_layout(model, order: str = "-".join(DEFAULT_ORDER)) -> TrainingLayout:
+    """The TrainingLayout of Megatron's current parallel state, initialised with rank order
+    `order`, after checking that this rank's coordinates in it are the ones Megatron assigned
+    (the plan relies on the rank order)."""
     from megatron.core import parallel_state as ps
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    layout = TrainingLayout(model, tp, pp, dist.get_world_size() // (tp * pp))
+    layout = TrainingLayout(model, tp, pp, dist.get_world_size() // (tp * pp),
+                            tuple(order.split("-")))
     mine = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
             ps.get_data_parallel_rank())
     if layout.coordinates(dist.get_rank()) != mine:
         raise PlanError(f"rank {dist.get_rank()} has Megatron coordinates (tp, pp, dp) = {mine} "
-                        f"but the resharding layout assumes {layout.coordinates(dist.get_rank())}:"
-                        " Megatron must use its default rank order tp-cp-ep-dp-pp")
+                        f"but the resharding layout assumes {layout.coordinates(dist.get_rank())}"
+                        f" for Megatron's rank order {order}")
     return layout

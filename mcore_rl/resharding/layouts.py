@@ -37,6 +37,7 @@ from typing import Iterable
 import torch
 
 from mcore_rl.config.model import ModelConfig
+from mcore_rl.config.parallel import MEGATRON_DEFAULT_ORDER
 from mcore_rl.parallel import sharding
 from mcore_rl.parallel.sharding import ShardKind
 
@@ -224,10 +225,15 @@ def vllm_name(canonical: str) -> str:
 # Layouts
 # --------------------------------------------------------------------------------------------
 
+DEFAULT_ORDER = tuple(MEGATRON_DEFAULT_ORDER.split("-"))
+"""Megatron-Core's default rank order: TP varies fastest over consecutive ranks, then DP, then
+PP."""
+
+
 @dataclass(frozen=True)
 class TrainingLayout:
-    """Megatron-Core's training layout TP x PP x DP over ranks 0..world-1, in Megatron's default
-    rank order (``tp-cp-ep-dp-pp``: TP fastest, then DP, then PP)."""
+    """Megatron-Core's training layout TP x PP x DP over ranks 0..world-1, in a rank order
+    (Megatron's ``order``: the dimension varying fastest over consecutive ranks first)."""
 
     model: ModelConfig
     """The model being trained (LM head)."""
@@ -241,21 +247,44 @@ class TrainingLayout:
     dp: int
     """Training data-parallel size."""
 
+    order: tuple[str, ...] = DEFAULT_ORDER
+    """A permutation of ("tp", "dp", "pp"), fastest-varying first."""
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def megatron_order(self) -> str:
+        """The order as Megatron's `initialize_model_parallel(order=...)` takes it."""
+        return "-".join(self.order)
+
     def errors(self) -> list[str]:
         """Broken rules of this layout (empty when valid)."""
-        return [f"training layout: {error}" for error in self.model.check(self.tp, self.pp)]
+        errors = [f"training layout: {error}" for error in self.model.check(self.tp, self.pp)]
+        if sorted(self.order) != sorted(DEFAULT_ORDER):
+            errors.append(f"training layout: rank order {self.megatron_order!r} must be a "
+                          f"permutation of tp, dp and pp")
+        return errors
+
+    def _sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, dp_rank) of global ``rank``."""
-        return rank % self.tp, rank // (self.tp * self.dp), (rank // self.tp) % self.dp
+        found, sizes = {}, self._sizes()
+        for name in self.order:
+            rank, found[name] = divmod(rank, sizes[name])
+        return found["tp"], found["pp"], found["dp"]
 
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
         """Global rank at these coordinates (inverse of `coordinates`)."""
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+        wanted, sizes = {"tp": tp_rank, "pp": pp_rank, "dp": dp_rank}, self._sizes()
+        rank, stride = 0, 1
+        for name in self.order:
+            rank += wanted[name] * stride
+            stride *= sizes[name]
+        return rank
 
     def held(self, rank: int) -> dict[str, ShardSpec]:
         """Canonical source -> the shard this rank's model stage holds (local names). A tied

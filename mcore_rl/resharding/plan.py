@@ -105,6 +105,12 @@ class ReshardPlan:
             hasher.update(repr((param.source, param.transfers, param.local_copies)).encode())
         return hasher.hexdigest()
 
+    def wanted_shapes(self, rank: int) -> dict[str, tuple]:
+        """Engine name -> shape of every shard ``rank`` receives."""
+        full = {param.source: param.full_shape for param in self.params}
+        return {spec.name: spec.shape(full[source])
+                for source, spec in self.rollout.wanted(rank).items()}
+
     def traffic(self) -> "Traffic":
         """Bytes each rank receives and sends under this plan."""
         return traffic_of(self.params, self.training.world_size, self.element_size)

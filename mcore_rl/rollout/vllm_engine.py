@@ -8,13 +8,17 @@ replicas). There is no driver process and no Ray: the ranks that train are the r
 generate. Each rank of a rollout-TP group must submit the same requests, so prompts are pooled
 over the group first (`prompt_pool`).
 
-Weights arrive as canonical full tensors (the resharder's ``full`` layout); they are renamed to
-HF names and handed to vLLM's in-place reload (`model_runner.reload_weights` with
-checkpoint-format tensors), which shards them into vLLM's fused parameters on each rank. The
-engine can therefore start from a config folder alone (``load_format="dummy"``) and receive
-its first weights from the trainer. vLLM's CPU backend repacks linear weights after loading, so
-pre-sharded fused tensors (delivery form (b)) are not accepted there; form (a) works on every
-platform.
+Weights arrive as this rank's rollout-TP shards in vLLM's own layout (the resharder's ``vllm``
+layout: [q; k; v] of its heads, [gate; up], the vocabulary padded as vLLM pads it, under vLLM's
+parameter names), so no rank receives or builds a tensor it does not keep. They are copied in
+place into vLLM's parameters, and each touched layer's weight processing is run again, as
+vLLM's loader does after a load: on GPUs that processing does nothing for unquantized layers
+(the copy is vLLM's kernel-format reload), on CPUs it re-packs the oneDNN GEMM handle, which is
+where the CPU backend keeps a linear layer's weight once loaded (the parameter itself is
+emptied). The engine starts from a config folder alone (``load_format="dummy"``) and receives
+its first weights from the trainer. `weight_layout="full"` is a diagnostic form: canonical full
+tensors on every rank, renamed to HF names for vLLM's checkpoint-format reload (what peers
+ship); `check_plan` refuses a plan whose shards do not match the engine's parameters.
 
 On GPUs the engine sleeps between generate phases (vLLM's sleep mode, level 2 by default:
 weights and KV cache unmapped, nothing kept in host memory) and wakes in two halves: its weight
@@ -57,26 +61,34 @@ VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 class VllmEngine(RolloutEngine):
     """A vLLM engine whose rollout-TP groups are consecutive ranks of the current world."""
 
-    weight_layout = "full"
+    weight_layout = "vllm"
 
     def __init__(self, model_dir: str, model: ModelConfig, architecture: Architecture,
                  rollout_tp: int, context_length: int, dtype: torch.dtype = torch.bfloat16,
                  tokenizer_dir: str | None = None, dummy_weights: bool = True, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
-                 sleep_level: int = 2, timeout_minutes: float = 10.0):
+                 sleep_level: int = 2, timeout_minutes: float = 10.0,
+                 weight_layout: str = "vllm"):
         """model_dir: an HF folder (config.json; weights only when dummy_weights=False).
         tokenizer_dir: needed for stop strings (None: vLLM starts without a tokenizer).
         dummy_weights: start from placeholder weights, to be replaced by update_weights before
         the first generate (what the trainer does). gpu_memory_utilization: vLLM's share of
         the GPU, which must be free when the engine starts. cuda_graphs: capture CUDA graphs
         for decoding (GPUs only). sleep_level: vLLM's sleep level between generate phases
-        (where the platform has a sleep mode)."""
+        (where the platform has a sleep mode). weight_layout: "vllm" (rollout-TP shards, what
+        the trainer sends) or "full" (diagnostic: full tensors on every rank)."""
+        if weight_layout not in ("vllm", "full"):
+            raise ValueError(f"weight_layout={weight_layout!r} must be 'vllm' or 'full'")
+        self.weight_layout = weight_layout
         self.model = model
         self.architecture = architecture
         self.rollout_tp = rollout_tp
         self.context_length = context_length
         self.has_tokenizer = tokenizer_dir is not None
         self.seed = seed
+        self.dtype = dtype
+        self._layer_completed_by: set[str] | None = None
+        """Shard names (in the checked plan's order) after which a layer has all its weights."""
         self._calls = 0
         self._sleeping = False
         self._weights_mapped = True
@@ -151,16 +163,45 @@ class VllmEngine(RolloutEngine):
 
     # -- weights and memory -----------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Canonical (name, full tensor) pairs, as the resharder's ``full`` layout yields them.
-        The weights' memory must be mapped (`wake_weights` after a `sleep`): a reload into a
-        sleeping engine would write into unmapped memory."""
+        """(vLLM name, rollout shard) pairs in the ``vllm`` layout, streamed: each is loaded as
+        it arrives (or canonical full tensors with weight_layout="full"). The weights' memory
+        must be mapped (`wake_weights` after a `sleep`): a load into a sleeping engine would
+        write into unmapped memory."""
         if not self._weights_mapped:
             raise EngineError("update_weights() on a sleeping engine: call wake_weights() first")
-        hf_tensors = hf_named(named_tensors, self.architecture, self.model)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_tensors,
-                                                          "is_checkpoint_format": True})
-        if self.model.tie_embeddings and not torch.cuda.is_available():
-            self.llm.collective_rpc(_refresh_tied_lm_head)
+        if self.weight_layout == "full":
+            hf_tensors = hf_named(named_tensors, self.architecture, self.model)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_tensors,
+                                                              "is_checkpoint_format": True})
+            self.llm.collective_rpc(_refresh_tied_head, args=(_tied_head(self.model),))
+            return
+        if self._layer_completed_by is None:
+            raise EngineError("update_weights() before check_plan(): the engine must know the "
+                              "shards that are coming")
+        self.llm.collective_rpc(_load_shards, args=(named_tensors, self._layer_completed_by,
+                                                    _tied_head(self.model)))
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """This rank's vLLM parameters and the shapes the ``vllm`` layout must deliver."""
+        return self.llm.collective_rpc(_parameter_shapes)[0]
+
+    def check_plan(self, wanted: dict[str, tuple[int, ...]], dtype: torch.dtype) -> None:
+        """Refuse, on every rank together, a plan whose shards (name -> shape, this rank's;
+        their dtype) do not match the engine's parameters: before any byte moves, so the
+        engine keeps the weights it has."""
+        have = self.parameter_shapes()
+        problems = [f"the plan sends {dtype}, the engine holds {self.dtype}"] \
+            if dtype != self.dtype else []
+        problems += [f"vLLM parameter {name} {have[name]} is not in the resharding plan"
+                     for name in sorted(set(have) - set(wanted))]
+        problems += [f"the plan sends {name} {wanted[name]}, which vLLM does not have"
+                     for name in sorted(set(wanted) - set(have))]
+        problems += [f"the plan sends {name} as {wanted[name]}, vLLM's parameter is "
+                     f"{have[name]}" for name in sorted(set(have) & set(wanted))
+                     if tuple(have[name]) != tuple(wanted[name])]
+        raise_on_any_rank(problems, EngineError, "the weight sync does not fit the engine: ")
+        last_of_layer = {name.rpartition(".")[0]: name for name in wanted}
+        self._layer_completed_by = set(last_of_layer.values())
 
     def sleep(self) -> None:
         """vLLM's sleep mode where the platform has it (level 2: weights and KV cache freed,
@@ -190,13 +231,66 @@ class VllmEngine(RolloutEngine):
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def _refresh_tied_lm_head(worker) -> None:
-    """vLLM 0.32's CPU linear layers multiply through a oneDNN handle packed from the weights
-    when the model is built. A reload skips a tied lm_head (its tensor is the embedding's, so it
-    holds the new values), but nothing repacks its handle, which keeps the start-up dummy
-    weights: the engine would sample from noise. Repack it after every reload."""
-    lm_head = worker.model_runner.get_model().lm_head
-    lm_head.quant_method.process_weights_after_loading(lm_head)
+def _tied_head(model: ModelConfig) -> str | None:
+    """The module that shares the embedding's weight (vLLM's lm_head when tied)."""
+    return "lm_head" if model.tie_embeddings else None
+
+
+def _load_shards(worker, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 layer_completed_by: set[str], tied_head: str | None) -> None:
+    """Copy (vLLM name, shard) pairs into the model's parameters as they arrive, and run a
+    layer's weight processing again as soon as its last parameter is in (see the module
+    docstring). On CPUs a linear layer's parameter is empty once packed: the shard becomes the
+    parameter again, for the processing to pack and release; each shard is let go before the
+    next is asked for, so a sync holds one shard besides the resharder's buckets."""
+    model = worker.model_runner.get_model()
+    for name, tensor in named_tensors:
+        module_name, _, param_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        param = getattr(module, param_name)
+        if param.numel() == 0:
+            setattr(module, param_name, torch.nn.Parameter(tensor, requires_grad=False))
+        else:
+            param.data.copy_(tensor)
+        del tensor, param
+        if name in layer_completed_by:
+            _process_weights(module)
+    if tied_head is not None:
+        _process_weights(model.get_submodule(tied_head))
+
+
+def _refresh_tied_head(worker, tied_head: str | None) -> None:
+    """After vLLM's own checkpoint-format reload: repack the tied LM head, which that reload
+    skips (its weight is the embedding's)."""
+    if tied_head is not None:
+        _process_weights(worker.model_runner.get_model().get_submodule(tied_head))
+
+
+def _process_weights(module: torch.nn.Module) -> None:
+    """vLLM's post-load weight processing of one layer. vLLM 0.32's CPU layers multiply
+    through a oneDNN handle packed from the weight, which a load does not refresh by itself (a
+    stale handle samples from the start-up dummy weights); the old handle is dropped before
+    the new one is packed, so the two never coexist. GPUs: nothing happens for unquantized
+    layers."""
+    method = getattr(module, "quant_method", None)
+    if method is None:
+        return
+    module.__dict__.pop("cpu_linear", None)
+    method.process_weights_after_loading(module)
+
+
+def _parameter_shapes(worker) -> dict[str, tuple[int, ...]]:
+    """Each parameter's loadable shape; a CPU linear layer whose packed parameter is empty
+    reports the [out, in] shape of its partition."""
+    model = worker.model_runner.get_model()
+    shapes = {}
+    for name, param in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        if param.numel() == 0 and hasattr(module, "output_size_per_partition"):
+            shapes[name] = (module.output_size_per_partition, module.input_size_per_partition)
+        else:
+            shapes[name] = tuple(param.shape)
+    return shapes
 
 
 def _vllm_progress(iterable=None, **tqdm_kwargs):

@@ -108,6 +108,7 @@ def _initialize_megatron(config: JobConfig) -> None:
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         distributed_timeout_minutes=config.runtime.collective_timeout_minutes,
+        order=parallel.megatron_order(),
     )
 
 

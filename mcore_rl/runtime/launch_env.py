@@ -9,6 +9,7 @@ A bare `python -m mcore_rl ...` is a world of one.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -35,6 +36,10 @@ class LaunchEnv:
     launcher: str
     """Which launcher set the variables: torchrun, slurm or single."""
 
+    ranks_per_node: int
+    """Processes on each node (ranks are placed node by node): torchrun's LOCAL_WORLD_SIZE,
+    the first count of SLURM_TASKS_PER_NODE, else the whole world."""
+
 
 def _int(environ: Mapping[str, str], name: str) -> int:
     value = environ[name]
@@ -44,14 +49,24 @@ def _int(environ: Mapping[str, str], name: str) -> int:
         raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
 
 
+def _slurm_tasks_per_node(environ: Mapping[str, str], world: int) -> int:
+    """The first node's task count from SLURM_TASKS_PER_NODE ("4(x2)", "4,4" or "4")."""
+    value = environ.get("SLURM_TASKS_PER_NODE", "")
+    match = re.match(r"\d+", value)
+    return int(match.group()) if match else world
+
+
 def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
     """Read the launcher's variables; torchrun's take precedence over SLURM's."""
     addr = environ.get("MASTER_ADDR", "127.0.0.1")
     port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else 29500
     if "RANK" in environ and "WORLD_SIZE" in environ:
-        return LaunchEnv(_int(environ, "RANK"), _int(environ, "WORLD_SIZE"),
+        world = _int(environ, "WORLD_SIZE")
+        return LaunchEnv(_int(environ, "RANK"), world,
                          _int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
-                         addr, port, "torchrun")
+                         addr, port, "torchrun",
+                         _int(environ, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in environ
+                         else world)
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         world = _int(environ, "SLURM_NTASKS")
         if world > 1 and "MASTER_ADDR" not in environ:
@@ -60,5 +75,5 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
                              "MASTER_PORT in the sbatch script, or launch with torchrun")
         return LaunchEnv(_int(environ, "SLURM_PROCID"), world,
                          _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
-                         addr, port, "slurm")
-    return LaunchEnv(0, 1, 0, addr, port, "single")
+                         addr, port, "slurm", _slurm_tasks_per_node(environ, world))
+    return LaunchEnv(0, 1, 0, addr, port, "single", 1)

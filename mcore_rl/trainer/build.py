@@ -7,6 +7,7 @@ weights (also for random initialisation), so KL to the reference is 0 at step 0.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -15,14 +16,20 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config import ConfigError, InitConfig, JobConfig
+from mcore_rl.config.parallel import AUTO_ORDER
 from mcore_rl.conversion.architectures import ARCHITECTURES, Architecture, architecture_for
 from mcore_rl.models import DTYPES, build_gpt_model
 from mcore_rl.models.pretrained import build_from_init
 from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
+from mcore_rl.resharding.layouts import DEFAULT_ORDER
+from mcore_rl.resharding.rank_order import choose_training_order
 from mcore_rl.roles import Actor, Critic, Reference, RewardModel
+from mcore_rl.runtime import seed_everything
 from mcore_rl.rollout import MegatronEngine, RolloutEngine
 from mcore_rl.training import make_trainable
+
+from .weight_sync import WeightSync
 
 @dataclass
 class Roles:
@@ -119,24 +126,46 @@ def context_length(config: JobConfig, max_prompt_tokens: int) -> int:
     return max_prompt_tokens + config.rollout.sampling.max_new_tokens
 
 
+def with_rank_order(config: JobConfig, ranks_per_node: int, world_size: int) -> JobConfig:
+    """The config with parallel.rank_order settled: `auto` is, for a job generating with vLLM,
+    the order that moves the fewest bytes into vLLM's tensor-parallel groups
+    (`resharding.rank_order`), and Megatron's default otherwise."""
+    parallel = config.parallel
+    if parallel.rank_order != AUTO_ORDER:
+        return config
+    order = DEFAULT_ORDER
+    if config.rollout.engine == "vllm":
+        tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        order = choose_training_order(config.model, tp, pp, world_size // (tp * pp),
+                                      config.rollout.rollout_tp, ranks_per_node)
+    return dataclasses.replace(config, parallel=dataclasses.replace(
+        parallel, rank_order="-".join(order)))
+
+
 def build_engine_and_roles(config: JobConfig, device: torch.device, max_prompt_tokens: int
-                           ) -> tuple[RolloutEngine, Resharder | None, Roles]:
-    """The rollout engine, the resharder that feeds it (None when it generates on the actor's
+                           ) -> tuple[RolloutEngine, WeightSync | None, Roles]:
+    """The rollout engine, the weight sync that feeds it (None when it generates on the actor's
     own parameters) and the roles. vLLM starts first: it needs its share of the GPU
     (rollout.gpu_memory_utilization) free at start-up, and it sleeps at once, so the roles
     get that memory back until the first generate. The Megatron engine comes after, on the
     actor's module."""
     length = context_length(config, max_prompt_tokens)
     if config.rollout.engine == "vllm":
-        engine, resharder = build_vllm_engine(config, length)
-        return engine, resharder, build_roles(config, device)
+        engine, weight_sync = build_vllm_engine(config, length)
+        # vLLM seeds torch with its own per-instance seed: reseed, or randomly initialised
+        # data-parallel replicas would start from different weights.
+        seed_everything(config.runtime.seed)
+        return engine, weight_sync, build_roles(config, device)
     roles = build_roles(config, device)
     engine = MegatronEngine(roles.actor.module, config.model, length, seed=config.runtime.seed)
     return engine, None, roles
 
 
-def build_vllm_engine(config: JobConfig, context: int):
-    """A sleeping vLLM engine for sequences of `context` tokens, and its resharder."""
+def build_vllm_engine(config: JobConfig, context: int, weight_layout: str = "vllm"):
+    """A sleeping vLLM engine for sequences of `context` tokens and the weight sync feeding
+    it each rank's rollout-TP shard, after the engine has checked the plan's shards against
+    its parameters (on every rank together, before any byte moves). weight_layout="full" is
+    the diagnostic form (full tensors to every rank) benchmarks compare against."""
     from mcore_rl.rollout.vllm_engine import VllmEngine, write_config_folder
 
     architecture = hf_architecture(config)
@@ -150,8 +179,12 @@ def build_vllm_engine(config: JobConfig, context: int):
                         seed=config.runtime.seed,
                         gpu_memory_utilization=rollout.gpu_memory_utilization,
                         cuda_graphs=rollout.cuda_graphs, sleep_level=rollout.sleep_level,
-                        timeout_minutes=config.runtime.collective_timeout_minutes)
+                        timeout_minutes=config.runtime.collective_timeout_minutes,
+                        weight_layout=weight_layout)
     engine.sleep()
-    training = megatron_training_layout(config.model)
-    plan = build_plan(training, make_rollout_layout(training, engine.weight_layout, 1), dtype)
-    return engine, Resharder(plan)
+    training = megatron_training_layout(config.model, config.parallel.megatron_order())
+    plan = build_plan(training, make_rollout_layout(training, weight_layout, rollout.rollout_tp),
+                      dtype)
+    if weight_layout == "vllm":
+        engine.check_plan(plan.wanted_shapes(dist.get_rank()), plan.dtype)
+    return engine, WeightSync(Resharder(plan, rollout.sync_bucket_mb * 2 ** 20), engine)

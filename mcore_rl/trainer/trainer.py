@@ -41,7 +41,7 @@ from mcore_rl.training.batches import pad_rows_to_multiple
 from mcore_rl.training.offload import HostParking
 
 from .api import with_actor_model
-from .build import build_engine_and_roles
+from .build import build_engine_and_roles, with_rank_order
 from .data import TrainingData, load_training_data
 from .experience import Rollout, make_experience, mini_batches, select_groups, varied_groups
 from .metrics import MetricsLogger, PhaseTimer, SumsAndCounts, peak_memory_metrics
@@ -85,7 +85,8 @@ class Trainer:
             config = dataclasses.replace(config, critic=dataclasses.replace(
                 config.critic, init_path=critic_model))
         launch = read_launch_env()
-        config = self.config = validate_rl(config, launch.world_size)
+        config = self.config = with_rank_order(validate_rl(config, launch.world_size),
+                                               launch.ranks_per_node, launch.world_size)
         self.preemption = PreemptionFlag(config.trainer.save_signal)
         self.preempted = False
         """Whether fit() stopped early on trainer.save_signal (after saving)."""
@@ -150,6 +151,8 @@ class Trainer:
         with timer("advantages"):
             self._advantages(batch, stats)
         _rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats)
+        if self.weight_sync is not None:
+            self.weight_sync.add_metrics(stats)
         if self.config.trainer.balance_data_parallel:
             with timer("balance"):
                 batch = self._balanced(batch, stats)
@@ -416,8 +419,7 @@ class Trainer:
         """Send the actor's weights to the engine unless it already has them (an evaluation
         right before the next step's rollout syncs once, where sleeping keeps weights)."""
         if self.weight_sync is not None and not self.engine_weights_current:
-            self.engine.update_weights(self.weight_sync.sync(
-                self.roles.actor.parameters_for_sync()))
+            self.weight_sync.sync(self.roles.actor.parameters_for_sync())
         self.engine_weights_current = True
 
     def _score(self, generation, records):
