@@ -99,12 +99,13 @@ def test_config_rules_name_the_field():
 
 def hf_reference(hf_folder, tokenizer, lr, eps, steps):
     """HF transformers + torch Adam on all demonstrations per step: token-mean NLL of the
-    response tokens and <eos>. Returns the losses before each step and the final weights."""
+    response tokens and <eos>. Returns the losses before each step, the gradient norms and the
+    final weights."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_folder, torch_dtype=torch.float32)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps)
-    losses = []
+    losses, grad_norms = [], []
     for _ in range(steps):
         total, count = 0.0, 0
         for prompt, response in DEMONSTRATIONS:
@@ -118,8 +119,10 @@ def hf_reference(hf_folder, tokenizer, lr, eps, steps):
         losses.append(loss.item())
         optimizer.zero_grad()
         loss.backward()
+        grad_norms.append(torch.sqrt(sum(p.grad.double().square().sum()
+                                         for p in model.parameters())).item())
         optimizer.step()
-    return losses, model.state_dict()
+    return losses, grad_norms, model.state_dict()
 
 
 def run(*arguments, ranks, port):
@@ -151,10 +154,12 @@ def test_sft_command_matches_hf_with_torch_adam_at_tp2_dp2(tmp_path, tokenizer):
     done = run(*arguments, "parallel.tensor_model_parallel_size=2", ranks=4, port=29571)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    losses, reference = hf_reference(hf_init, tokenizer, lr, eps, steps)
+    losses, grad_norms, reference = hf_reference(hf_init, tokenizer, lr, eps, steps)
     logged = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [line["step"] for line in logged] == [1, 2]
     assert [line["sft/loss"] for line in logged] == pytest.approx(losses, rel=1e-5)
+    # Every TP shard counted once (Megatron must know which parameters are TP-split).
+    assert [line["sft/grad_norm"] for line in logged] == pytest.approx(grad_norms, rel=1e-4)
     assert losses[1] < losses[0] - 0.1
 
     exported = tmp_path / "hf_out"

@@ -18,10 +18,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def megatron_transformer_config(model: ModelConfig, parallel: ParallelConfig,
                                 precision: str = "fp32", random_init: bool = True, **overrides):
-    """A TransformerConfig for a Llama-family decoder. random_init=False skips Megatron's
-    initialisers (the caller loads every weight). Parameters are created on the GPU where there
-    is one (on the CPU otherwise). `overrides` reach TransformerConfig unchanged (for example
-    recompute settings)."""
+    """A TransformerConfig for a Llama-family decoder. random_init=False leaves the weights
+    undrawn (the caller loads every weight): Megatron still runs its initialisation code, which
+    also marks tensor-parallel parameters (`tensor_model_parallel`, `partition_dim`; gradient
+    norms and checkpoints rely on them), with a no-op in place of the random draw. Parameters
+    are created on the GPU where there is one (on the CPU otherwise). `overrides` reach
+    TransformerConfig unchanged (for example recompute settings)."""
     from megatron.core.transformer import TransformerConfig
 
     announce_missing_kernels()
@@ -53,7 +55,7 @@ def megatron_transformer_config(model: ModelConfig, parallel: ParallelConfig,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         use_cpu_initialization=not torch.cuda.is_available(),
-        perform_initialization=random_init,
+        perform_initialization=True,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=precision == "bf16",
@@ -61,5 +63,11 @@ def megatron_transformer_config(model: ModelConfig, parallel: ParallelConfig,
         calculate_per_token_loss=True,
         variable_seq_lengths=False,
     )
+    if not random_init:
+        fields.update(init_method=_left_for_the_load, output_layer_init_method=_left_for_the_load)
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+def _left_for_the_load(weight: torch.Tensor) -> None:
+    """An init method that draws nothing: a checkpoint overwrites the weight."""

@@ -51,11 +51,14 @@ def tp_groups_within_nodes(training: TrainingLayout, ranks_per_node: int) -> boo
 
 def order_choices(model: ModelConfig, tp: int, pp: int, dp: int, rollout_tp: int,
                   ranks_per_node: int, element_size: int = 2) -> list[OrderChoice]:
-    """Every eligible order with its per-rank bytes into vLLM's layout, the default first."""
-    orders = [DEFAULT_ORDER] + [order for order in permutations(DEFAULT_ORDER)
-                                if order != DEFAULT_ORDER]
+    """Every eligible order with its per-rank bytes into vLLM's layout, the default first.
+    Dimensions of size 1 keep their default place (where they stand changes nothing)."""
+    sizes = {"tp": tp, "pp": pp, "dp": dp}
+    movable = [name for name in DEFAULT_ORDER if sizes[name] > 1]
     choices = []
-    for order in orders:
+    for arrangement in permutations(movable):
+        placed = iter(arrangement)
+        order = tuple(next(placed) if sizes[name] > 1 else name for name in DEFAULT_ORDER)
         training = TrainingLayout(model, tp, pp, dp, order)
         if order != DEFAULT_ORDER and not tp_groups_within_nodes(training, ranks_per_node):
             continue
