@@ -45,7 +45,7 @@ def folder_mb(path: str, suffix: str = "") -> list[float]:
 def rank_share_mb(hf_dir: str, tp: int) -> float:
     """fp32 MB one TP rank holds: TP-split tensors / tp, replicated ones (norms) whole."""
     from mcore_rl.conversion.hf_to_mcore import model_config_of_hf
-    from mcore_rl.parallel import sharding
+    from mcore_rl.param_layout import sharding
 
     model = model_config_of_hf(hf_dir)
     total = 0

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from mcore_rl.config import ModelConfig  # noqa: E402
-from mcore_rl.parallel import sharding  # noqa: E402
+from mcore_rl.param_layout import sharding  # noqa: E402
 from mcore_rl.resharding import (Resharder, TrainingLayout, build_plan,  # noqa: E402
                                  make_rollout_layout)
 from mcore_rl.resharding.full_gather import FullGatherSync, full_gather_transfers  # noqa: E402

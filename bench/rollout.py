@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from mcore_rl.config import ModelConfig  # noqa: E402
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig  # noqa: E402
 from mcore_rl.conversion.architectures import ARCHITECTURES  # noqa: E402
-from mcore_rl.parallel import sharding  # noqa: E402
+from mcore_rl.param_layout import sharding  # noqa: E402
 from world import run_world  # noqa: E402
 
 MODEL = ModelConfig(num_layers=4, hidden_size=512, ffn_hidden_size=1536, num_attention_heads=8,

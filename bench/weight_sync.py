@@ -56,7 +56,7 @@ def measure(out_path: str, overrides: list[str], weight_layout: str, syncs: int)
     `syncs` times; rank 0 saves every rank's figures and its plan's bound."""
     from mcore_rl.config import load_config, validate_rl
     from mcore_rl.runtime import initialize, read_launch_env, shutdown
-    from mcore_rl.trainer.build import (build_roles, build_vllm_engine, context_length,
+    from mcore_rl.rl.build import (build_roles, build_vllm_engine, context_length,
                                         with_rank_order)
 
     launch = read_launch_env()

@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plan":
             _plan(args)
         elif args.command == "compare":
-            from .evaluation import compare_command
+            from .observability import compare_command
             compare_command(args.run_dirs, args.output)
         elif args.command == "plot":
-            from .evaluation import plot_command
+            from .observability import plot_command
             plot_command(args.run_dir)
         elif args.command == "smoke":
             from .smoke import run_smoke
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             from .sft import run_sft
             run_sft(load_config(args.config, args.overrides))
         elif args.command == "train":
-            from .trainer import PREEMPTED_EXIT_CODE, Trainer
+            from .rl import PREEMPTED_EXIT_CODE, Trainer
             trainer = Trainer(load_config(args.config, args.overrides))
             trainer.fit()
             trainer.close()

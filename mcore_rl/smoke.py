@@ -14,6 +14,7 @@ import time
 import torch
 
 from .config import JobConfig, validate
+from .conversion.model_source import with_model_from_init
 from .models.pretrained import build_from_init
 from .runtime import initialize, print0, read_launch_env, shutdown
 from .training import make_trainable, shard_for_data_parallel, train_step
@@ -41,7 +42,7 @@ def run_smoke(config: JobConfig) -> list[dict]:
     from megatron.core import parallel_state
 
     launch = read_launch_env()
-    config = validate(config, launch.world_size)
+    config = validate(with_model_from_init(config), launch.world_size)
     runtime = initialize(config, launch)
     model = build_from_init(config.init, config.model, config.parallel,
                             config.runtime.precision, device=runtime.device)

@@ -265,7 +265,7 @@ def resume(args, check: Checks) -> dict:
 def _toy_trainer(args, total_steps: int):
     from mcore_rl.config import load_config
     from mcore_rl.data import write_toy_tokenizer
-    from mcore_rl.trainer import Trainer
+    from mcore_rl.rl import Trainer
 
     tokenizer = os.path.join(args.workdir, "toy_tokenizer")
     if _rank() == 0 and not os.path.isdir(tokenizer):

@@ -54,7 +54,7 @@ def _check_critic_trunk(lm_module, init: InitConfig, model, parallel) -> None:
     """A scalar-head model started from the same LM weights holds the same trunk, and a
     zero-initialised head."""
     from mcore_rl.models import local_state
-    from mcore_rl.parallel import sharding
+    from mcore_rl.param_layout import sharding
 
     critic = build_gpt_model(model, parallel, "fp32", head="scalar")
     assert load_initial_weights(critic, init, model, head="scalar")

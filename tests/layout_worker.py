@@ -12,7 +12,7 @@ import torch.distributed as dist
 from mcore_rl.config import (BatchConfig, JobConfig, ModelConfig, OptimizerConfig,
                              ParallelConfig, RuntimeConfig)
 from mcore_rl.models import build_gpt_model, load_full_state, local_state
-from mcore_rl.parallel import sharding
+from mcore_rl.param_layout import sharding
 from mcore_rl.runtime import initialize, shutdown
 from mcore_rl.training import compute_outputs, make_trainable, shard_for_data_parallel, train_step
 

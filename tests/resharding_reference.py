@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mcore_rl.config import ModelConfig
 from mcore_rl.conversion.architectures import ARCHITECTURES
-from mcore_rl.parallel import sharding
+from mcore_rl.param_layout import sharding
 
 LLAMA = ARCHITECTURES["LlamaForCausalLM"]
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config import ModelConfig
-from mcore_rl.parallel import sharding
+from mcore_rl.param_layout import sharding
 from mcore_rl.resharding import (PlanError, Resharder, TrainingLayout, build_plan,
                                  make_rollout_layout)
 from mcore_rl.resharding.delivery import hf_named

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from mcore_rl.config import load_config
 from mcore_rl.evaluation import Evaluator
-from mcore_rl.trainer import Trainer
+from mcore_rl.rl import Trainer
 
 TOY_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_toy.yaml")
 
@@ -141,7 +141,7 @@ def reward_model_scores(out_path: str, model_path: str, tensor_parallel: int) ->
     from mcore_rl.config.reward import RewardConfig
     from mcore_rl.conversion.sequence_classifier import open_sequence_classifier
     from mcore_rl.runtime import initialize, shutdown
-    from mcore_rl.trainer.build import build_reward_model
+    from mcore_rl.rl.build import build_reward_model
 
     model = open_sequence_classifier(model_path)[2]
     config = JobConfig(model=model,

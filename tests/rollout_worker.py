@@ -18,7 +18,7 @@ from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.conversion.architectures import ARCHITECTURES
 from mcore_rl.models import build_gpt_model, load_full_state
 from mcore_rl.models.weights import local_parameters
-from mcore_rl.parallel import sharding
+from mcore_rl.param_layout import sharding
 from mcore_rl.resharding import Resharder, TrainingLayout, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.rollout import (EngineError, MegatronEngine, PromptError, logprob_mismatch)

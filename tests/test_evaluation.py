@@ -10,13 +10,13 @@ import random
 import numpy as np
 import pytest
 
-from mcore_rl.evaluation import (EvalSamples, Evaluator, EvaluatorError, JsonlWriter,
-                                 RunDirectoryError, default_evaluators, distinct_n,
-                                 format_table, load_run, ngram_entropy, pass_at_k,
-                                 pass_at_k_one_prompt, plot_run, read_jsonl, repetition_rate,
-                                 run_evaluators, summarize)
-from mcore_rl.evaluation.compare import FINAL_WINDOW
-from mcore_rl.evaluation.metrics import counts_per_prompt
+from mcore_rl.evaluation import (EvalSamples, Evaluator, EvaluatorError, default_evaluators,
+                                 distinct_n, ngram_entropy, pass_at_k, pass_at_k_one_prompt,
+                                 repetition_rate, run_evaluators)
+from mcore_rl.evaluation.response_metrics import counts_per_prompt
+from mcore_rl.observability import (JsonlWriter, RunDirectoryError, format_table, load_run,
+                                    plot_run, read_jsonl, summarize)
+from mcore_rl.observability.compare import FINAL_WINDOW
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

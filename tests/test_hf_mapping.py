@@ -14,7 +14,7 @@ import transformers
 
 from mcore_rl.config.model import ModelConfig
 from mcore_rl.conversion import ARCHITECTURES, architecture_for
-from mcore_rl.parallel import sharding
+from mcore_rl.param_layout import sharding
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              vocab_size=250, max_position_embeddings=256, rms_norm_eps=1e-5)

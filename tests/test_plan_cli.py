@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from mcore_rl.config import ModelConfig
-from mcore_rl.parallel import sharding
+from mcore_rl.param_layout import sharding
 
 # Large enough (2.2B parameters) that the table's two-decimal GiB resolve the counts; planning
 # touches no weights, so size costs nothing.

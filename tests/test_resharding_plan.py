@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mcore_rl.config import ModelConfig
-from mcore_rl.parallel import sharding
+from mcore_rl.param_layout import sharding
 from mcore_rl.resharding import PlanError, TrainingLayout, build_plan, make_rollout_layout
 from mcore_rl.resharding.full_gather import full_gather_transfers
 from mcore_rl.resharding.layouts import DEFAULT_ORDER

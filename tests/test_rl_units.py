@@ -9,16 +9,17 @@ import math
 import pytest
 import torch
 
+from mcore_rl.algorithms import unregistered_names
 from mcore_rl.algorithms.objectives import actor_objective
 from mcore_rl.config import AlgorithmConfig, ConfigError, load_config, validate_rl
 from mcore_rl.config.rl import RolloutConfig
 from mcore_rl.config.rollout import SamplingConfig
 from mcore_rl.rollout import Completion, Generation
-from mcore_rl.trainer.api import make_trainer_config
-from mcore_rl.trainer.experience import (Rollout, make_experience, mini_batches,
+from mcore_rl.rl.api import make_trainer_config
+from mcore_rl.rl.experience import (Rollout, make_experience, mini_batches,
                                          overlong_penalty, select_groups, varied_groups)
-from mcore_rl.trainer.metrics import SumsAndCounts
-from mcore_rl.trainer.trainer import is_bad_step
+from mcore_rl.observability.step_metrics import SumsAndCounts
+from mcore_rl.rl.trainer import is_bad_step
 from world import run_world
 
 
@@ -129,7 +130,7 @@ def test_rl_config_rules_name_the_fields():
                                 "algorithm.policy_loss=nope", "rollout.engine=sglang",
                                 "trainer.save_signal=SIGNOPE"])
     with pytest.raises(ConfigError) as error:
-        validate_rl(config, 4)
+        validate_rl(config, 4, unregistered_names(config.algorithm))
     message = str(error.value)
     assert "trainer.save_signal: unknown signal 'SIGNOPE'; valid names: " in message
     assert "algorithm.policy_loss='nope' is not a known policy loss; known: gspo, ppo" in message

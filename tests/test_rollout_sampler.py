@@ -9,7 +9,7 @@ import torch
 
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.rollout import Completion, Generation, PromptError, check_request, logprob_mismatch
-from mcore_rl.rollout.sampler import sample_next, truncate_logits
+from mcore_rl.rollout.token_sampling import sample_next, truncate_logits
 
 
 def slow_truncation(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Tests of mcore_rl.parallel.sharding against slow, obvious references written here (per-head
+"""Tests of mcore_rl.param_layout.sharding against slow, obvious references written here (per-head
 loops over HF-style q/k/v, hand-written name tables, and the math the shards must reproduce)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mcore_rl.config.model import ModelConfig
-from mcore_rl.parallel import sharding as sh
-from mcore_rl.parallel.sharding import ShardKind
+from mcore_rl.param_layout import sharding as sh
+from mcore_rl.param_layout.sharding import ShardKind
 
 HIDDEN, HEAD_DIM, FFN, VOCAB, DIVISIBLE_BY = 16, 4, 12, 37, 8
 HEAD_LAYOUTS = [(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]  # (query heads, kv heads)

@@ -47,6 +47,7 @@ def test_smoke_job_from_hf_folder_reports_transformers_loss(tmp_path):
 
     from hf_models import save_hf_case
     from mcore_rl.config import load_config
+    from mcore_rl.conversion.model_source import with_model_from_init
     from mcore_rl.smoke import random_batch
 
     hf_dir = str(tmp_path / "hf")
@@ -57,7 +58,7 @@ def test_smoke_job_from_hf_folder_reports_transformers_loss(tmp_path):
     done = run_launcher("smoke", *overrides, port=29544)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"weights from {hf_dir}" in done.stdout
-    batch = random_batch(load_config(None, overrides), step=0)
+    batch = random_batch(with_model_from_init(load_config(None, overrides)), step=0)
     with torch.no_grad():
         logits = hf_model(input_ids=batch["input_ids"],
                           attention_mask=batch["attention_mask"]).logits

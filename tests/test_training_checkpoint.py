@@ -15,7 +15,7 @@ from torch.multiprocessing import ProcessExitedException
 from training_checkpoint_worker import KEEP_LAST, STEPS, run, trainer_state
 from world import run_world
 
-from mcore_rl.checkpoint.training_state import (MARKER_FILE, checkpoint_name,
+from mcore_rl.training.checkpointer import (MARKER_FILE, checkpoint_name,
                                                 compatibility_problems, latest_checkpoint,
                                                 save_training_state)
 

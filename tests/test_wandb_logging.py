@@ -11,7 +11,7 @@ from mcore_rl.config import ConfigError, JobConfig, validate_rl
 from mcore_rl.config.data import DataConfig, ToyConfig
 from mcore_rl.config.rl import TrainerConfig
 from mcore_rl.config.runtime import RuntimeConfig
-from mcore_rl.trainer.metrics import MetricsLogger
+from mcore_rl.observability.step_metrics import MetricsLogger
 
 
 def job(tmp_path, **trainer) -> JobConfig:

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mcore_rl.checkpoint import training_state
-from mcore_rl.checkpoint.training_state import load_latest_training_state, save_training_state
+from mcore_rl.training import checkpointer as training_state
+from mcore_rl.training.checkpointer import load_latest_training_state, save_training_state
 from mcore_rl.config import (BatchConfig, JobConfig, ModelConfig, OptimizerConfig,
                              ParallelConfig, RuntimeConfig)
 from mcore_rl.models import build_gpt_model

@@ -31,3 +31,9 @@ class Registry(Generic[Fn]):
 
     def names(self) -> list[str]:
         return sorted(self._functions)
+
+    def name_errors(self, field: str, name: str) -> list[str]:
+        """The config error of `field` naming `name` when it is not registered (else none)."""
+        if name in self._functions:
+            return []
+        return [f"{field}={name!r} is not a known {self.kind}; known: {', '.join(self.names())}"]

@@ -25,7 +25,7 @@ import math
 import torch
 
 from ..config import ModelConfig
-from ..parallel import sharding
+from ..param_layout import sharding
 
 StateItems = dict[str, object]
 

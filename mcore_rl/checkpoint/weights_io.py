@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ModelConfig, RopeScalingConfig
-from ..parallel import sharding
+from ..param_layout import sharding
 from .sharded_weights import sharded_state_dict, stored_vocab_rows
 
 METADATA_FILE = "mcore_rl.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional
 
 from .algorithm import AlgorithmConfig
 from .data import CHAT_TEMPLATE_MODES, DataConfig
@@ -121,14 +121,16 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
     return dataclasses.replace(config, runtime=config.runtime.resolved())
 
 
-def validate_rl(config: JobConfig, world_size: int) -> JobConfig:
-    """`validate` plus the rules of an RL job (roles, rollout, batch arithmetic)."""
+def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] = ()) -> JobConfig:
+    """`validate` plus the rules of an RL job (roles, rollout, batch arithmetic). name_errors:
+    what the registries above config found (`algorithms.unregistered_names`), reported with
+    the rest."""
     config = validate(config, world_size)
     errors = config.algorithm.errors() + config.rollout.errors() + config.trainer.errors()
     errors += config.data.errors() + config.reward.errors()
     errors += config.actor.optimizer.check("actor.optimizer")
     errors += config.critic.optimizer.check("critic.optimizer")
-    errors += _rl_batch_errors(config, world_size) + _registry_errors(config.algorithm)
+    errors += _rl_batch_errors(config, world_size) + list(name_errors)
     length = config.data.max_prompt_tokens + config.rollout.sampling.max_new_tokens
     if length > config.model.max_position_embeddings:
         errors.append(f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {length} "
@@ -159,20 +161,6 @@ def validate_sft(config: JobConfig, world_size: int) -> JobConfig:
         raise ConfigError("invalid SFT configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
     return config
-
-
-def _registry_errors(algorithm: AlgorithmConfig) -> list[str]:
-    """Estimator and policy-loss names must be registered (users may register their own)."""
-    from ..algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-
-    errors = []
-    for field_name, registry in (("estimator", ADVANTAGE_ESTIMATORS),
-                                 ("policy_loss", POLICY_LOSSES)):
-        name = getattr(algorithm, field_name)
-        if name not in registry.names():
-            errors.append(f"algorithm.{field_name}={name!r} is not a known {registry.kind}; "
-                          f"known: {', '.join(registry.names())}")
-    return errors
 
 
 def _rl_batch_errors(config: JobConfig, world_size: int) -> list[str]:

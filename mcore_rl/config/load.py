@@ -7,7 +7,6 @@ others under `defaults:` (paths relative to the including file), merged first.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Iterable
 
@@ -15,7 +14,6 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .job import ConfigError, JobConfig
-from .model import ModelConfig
 
 
 def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> "OmegaConf":
@@ -44,7 +42,8 @@ def _describe(error: OmegaConfBaseException, source: str) -> str:
 
 def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> JobConfig:
     """Build the JobConfig from defaults, then the YAML file (if any), then `key=value` overrides
-    (values parsed as YAML: `optimizer.lr=1e-4`, `model.tie_embeddings=true`)."""
+    (values parsed as YAML: `optimizer.lr=1e-4`, `model.tie_embeddings=true`). The model of an
+    init checkpoint is read by the job (`conversion.model_source.with_model_from_init`)."""
     schema = OmegaConf.structured(JobConfig)
     sources = [("defaults", schema)]
     if path:
@@ -65,28 +64,7 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> JobCo
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error, "config")) from error
-    return with_model_from_init(config)
-
-
-def with_model_from_init(config: JobConfig) -> JobConfig:
-    """When init.hf_path or init.checkpoint is set, the architecture comes from there (and the
-    `model` section must not also be set, so two descriptions can never disagree)."""
-    source = config.init.hf_path or config.init.checkpoint
-    if not source:
-        return config
-    if config.model != ModelConfig():
-        raise ConfigError(f"the model comes from {source}: remove the 'model' section "
-                          "(and model.* overrides) from the config")
-    try:
-        if config.init.hf_path:
-            from ..conversion.hf_to_mcore import model_config_of_hf
-            model = model_config_of_hf(config.init.hf_path)
-        else:
-            from ..checkpoint.weights_io import read_metadata
-            model = read_metadata(config.init.checkpoint)["model"]
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"init: {error}") from error
-    return dataclasses.replace(config, model=model)
+    return config
 
 
 def to_yaml(config: JobConfig) -> str:

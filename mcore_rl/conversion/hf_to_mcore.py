@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..checkpoint.weights_io import RankCoordinates, save_weights
 from ..config import ModelConfig
-from ..parallel import sharding
+from ..param_layout import sharding
 from ..runtime.progress import progress
 from .architectures import Architecture, architecture_for
 from .hf_reader import HFCheckpoint

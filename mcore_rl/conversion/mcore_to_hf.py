@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from ..checkpoint.sharded_weights import full_tensor_request, stored_shape
 from ..checkpoint.weights_io import read_metadata
 from ..config import ModelConfig
-from ..parallel import sharding
+from ..param_layout import sharding
 from ..runtime.progress import progress
 from .architectures import ARCHITECTURES, Architecture
 

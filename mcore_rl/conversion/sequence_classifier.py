@@ -15,7 +15,7 @@ import torch
 
 from ..checkpoint.weights_io import RankCoordinates
 from ..config import ModelConfig
-from ..parallel import sharding
+from ..param_layout import sharding
 from .architectures import Architecture, architecture_for
 from .hf_reader import HFCheckpoint
 from .hf_to_mcore import canonical_from_hf

@@ -13,11 +13,13 @@ DP-sharded, resumable sampler. Everything that can be wrong with the data fails 
 from .encode import EncodedPrompts, encode_prompt, encode_prompts
 from .load import load_records
 from .reasoning_gym_source import ENTRY_KEY as REASONING_GYM_ENTRY_KEY
+from .prompt_order import PromptSampler
 from .records import DataError, PromptRecord
-from .sampler import PromptSampler
+from .tokenizer import load_tokenizer, pad_id
 from .toy import TOY_DATA_SOURCE, TOY_VOCAB, TOY_VOCAB_SIZE, toy_copy_records, write_toy_tokenizer
 
 __all__ = ["DataError", "EncodedPrompts", "PromptRecord", "PromptSampler",
            "REASONING_GYM_ENTRY_KEY", "TOY_DATA_SOURCE", "TOY_VOCAB", "TOY_VOCAB_SIZE",
-           "encode_prompt", "encode_prompts", "load_records", "toy_copy_records",
+           "encode_prompt", "encode_prompts", "load_records", "load_tokenizer", "pad_id",
+           "toy_copy_records",
            "write_toy_tokenizer"]

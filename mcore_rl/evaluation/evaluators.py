@@ -24,7 +24,7 @@ import math
 import numbers
 from typing import Iterable
 
-from . import metrics
+from . import response_metrics as metrics
 
 EVAL_PREFIX = "eval/"
 

@@ -12,7 +12,7 @@ import torch
 
 from ..checkpoint.weights_io import load_weights_into, megatron_coordinates, read_metadata
 from ..config import InitConfig, ModelConfig, ParallelConfig
-from ..parallel import sharding
+from ..param_layout import sharding
 from ..runtime.devices import collective_device
 from .build import build_gpt_model
 from .weights import copy_into_stage, local_parameters

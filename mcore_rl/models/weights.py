@@ -12,7 +12,7 @@ from typing import Mapping
 import torch
 
 from ..config import ModelConfig, ParallelConfig
-from ..parallel import sharding
+from ..param_layout import sharding
 
 
 def local_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

@@ -43,7 +43,7 @@ def prepare(directory: str) -> None:
 def report(directory: str) -> str:
     """Accuracy before and after RL, the exported model's own accuracy under HF transformers,
     and where everything went."""
-    from mcore_rl.evaluation import load_run
+    from mcore_rl.observability import load_run
 
     root = Path(directory)
     grpo = load_run(root / "grpo")

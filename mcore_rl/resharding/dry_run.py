@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mcore_rl.parallel import sharding
+from mcore_rl.param_layout import sharding
 
 from .full_gather import full_gather_peak_bytes, full_gather_transfers
 from .layouts import DEFAULT_ORDER, RolloutLayout, TrainingLayout

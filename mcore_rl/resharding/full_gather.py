@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from mcore_rl.parallel import sharding
+from mcore_rl.param_layout import sharding
 
 from .layouts import RolloutLayout, TrainingLayout, split_dim
 from .plan import ParamPlan, Transfer

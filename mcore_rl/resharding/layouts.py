@@ -4,7 +4,7 @@ Why this module exists
 ----------------------
 Resharding is only cheap if it is exact about geometry: a rank may skip receiving a row only if
 it provably holds that row already. So every layout here describes a rank's tensor as a list of
-row intervals of the *canonical* full tensor (mcore_rl.parallel.sharding: Megatron names, TP=1,
+row intervals of the *canonical* full tensor (mcore_rl.param_layout.sharding: Megatron names, TP=1,
 unpadded vocab), concatenated along the parameter's split dimension, plus zero padding rows.
 Two layouts then compare by interval arithmetic alone, and the planner never needs to know what
 "QKV" or "vocab padding" mean.
@@ -38,8 +38,8 @@ import torch
 
 from mcore_rl.config.model import ModelConfig
 from mcore_rl.config.parallel import MEGATRON_DEFAULT_ORDER
-from mcore_rl.parallel import sharding
-from mcore_rl.parallel.sharding import ShardKind
+from mcore_rl.param_layout import sharding
+from mcore_rl.param_layout.sharding import ShardKind
 
 ENGINES = ("vllm", "megatron", "full")
 """Rollout layouts: vLLM's TP layout, Megatron's TP layout, full tensors on every rank."""

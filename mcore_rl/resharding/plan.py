@@ -30,7 +30,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from mcore_rl.parallel import sharding
+from mcore_rl.param_layout import sharding
 
 from .layouts import (ENGINES, Interval, RolloutLayout, ShardSpec, TrainingLayout,
                       consecutive_grouping, rollout_errors)

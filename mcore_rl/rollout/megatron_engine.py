@@ -31,7 +31,7 @@ from mcore_rl.runtime.progress import progress
 
 from .engine import Completion, EngineError, Generation, RolloutEngine
 from .prompt_pool import pool_requests
-from .sampler import sample_next
+from .token_sampling import sample_next
 
 
 class MegatronEngine(RolloutEngine):

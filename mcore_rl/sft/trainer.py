@@ -21,16 +21,16 @@ import torch.distributed as dist
 
 from mcore_rl.checkpoint.weights_io import megatron_coordinates, save_weights
 from mcore_rl.config import ConfigError, JobConfig, to_yaml, validate_sft
-from mcore_rl.evaluation import METRICS_FILE
+from mcore_rl.conversion.export import hf_metadata, tokenizer_files
+from mcore_rl.conversion.model_source import with_model_from_init
+from mcore_rl.data import load_tokenizer, pad_id
 from mcore_rl.models.pretrained import build_from_init
 from mcore_rl.models.weights import local_parameters
+from mcore_rl.observability import METRICS_FILE, refuse_earlier_run
+from mcore_rl.observability.step_metrics import MetricsLogger
 from mcore_rl.runtime import initialize, print0, read_launch_env, shutdown
-from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.devices import collective_device
 from mcore_rl.runtime.progress import progress
-from mcore_rl.trainer.data import load_tokenizer
-from mcore_rl.trainer.export import hf_metadata, tokenizer_files
-from mcore_rl.trainer.metrics import MetricsLogger
 from mcore_rl.training import compute_outputs, make_trainable, train_step
 
 from .data import EncodedDemonstrations, epoch_order, load_demonstrations, make_batch, rank_rows
@@ -47,10 +47,11 @@ def sft_loss(outputs: dict, micro_batch: dict):
 def run_sft(config: JobConfig) -> str:
     """Train on config.sft's demonstrations and return the written checkpoint's path."""
     launch = read_launch_env()
-    config = validate_sft(config, launch.world_size)
+    config = validate_sft(with_model_from_init(config), launch.world_size)
     runtime = initialize(config, launch)
     output_dir = config.runtime.output_dir
-    _refuse_existing_run(output_dir)
+    # An SFT job does not resume: any earlier run in output_dir is refused.
+    refuse_earlier_run(output_dir, (MODEL_DIR, METRICS_FILE), "already holds an SFT run")
     tokenizer = load_tokenizer(config)
     train = _load(config, config.sft.train_files, tokenizer, "train")
     validation = _load(config, config.sft.val_files, tokenizer, "val")
@@ -66,9 +67,7 @@ def run_sft(config: JobConfig) -> str:
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, "config.yaml"), "w") as handle:
             handle.write(to_yaml(config))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
-        else tokenizer.eos_token_id
-    steps = _train(config, trainable, train, validation, logger, pad_id)
+    steps = _train(config, trainable, train, validation, logger, pad_id(tokenizer))
     model_dir = os.path.join(output_dir, MODEL_DIR)
     save_weights(model_dir, local_parameters(module), config.model, megatron_coordinates(),
                  extra_metadata=hf_metadata(config), tokenizer_files=tokenizer_files(tokenizer))
@@ -122,19 +121,6 @@ def _load(config: JobConfig, paths: list[str], tokenizer, split: str) -> Encoded
                f"{examples.dropped_too_long} longer than sft.max_length={config.sft.max_length} "
                f"dropped")
     return examples
-
-
-def _refuse_existing_run(output_dir: str) -> None:
-    """An SFT job does not resume: it refuses a directory that holds an earlier run (rank 0
-    looks, every rank raises)."""
-    problems = []
-    if dist.get_rank() == 0:
-        for name in (MODEL_DIR, METRICS_FILE):
-            if os.path.exists(os.path.join(output_dir, name)):
-                problems.append(f"runtime.output_dir={output_dir} already holds an SFT run "
-                                f"({name}); choose another runtime.output_dir or delete it")
-                break
-    raise_on_any_rank(problems, FileExistsError, "")
 
 
 @torch.no_grad()

@@ -84,12 +84,13 @@ command, path, world, nodes, per_node, *overrides = sys.argv[1:]
 world, nodes, per_node = int(world), int(nodes), int(per_node)
 try:
     from mcore_rl.config import ConfigError, load_config, validate, validate_rl
+    from mcore_rl.conversion.model_source import with_model_from_init
 except ImportError as error:
     sys.exit(f"launch.sh: error: {sys.executable} cannot import mcore_rl ({error}): set PYTHON, "
              "or CHECK_IN_STEP=1 when mcore_rl is installed only where the ranks run")
 
 try:
-    config = load_config(path, overrides)
+    config = with_model_from_init(load_config(path, overrides))
     parallel = config.parallel
     names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
     sizes = {name: getattr(parallel, name, 1) for name in names}
@@ -100,7 +101,11 @@ try:
                  f"{sizes[names[0]]} x pipeline_model_parallel_size {sizes[names[1]]} x "
                  f"context_parallel_size {sizes[names[2]]} = {model_parallel} "
                  f"(from {path} and the overrides)")
-    (validate_rl if command == "train" else validate)(config, world)
+    if command == "train":
+        from mcore_rl.algorithms import unregistered_names
+        validate_rl(config, world, unregistered_names(config.algorithm))
+    else:
+        validate(config, world)
 except (ConfigError, ValueError, FileNotFoundError) as error:  # what `mcore-rl` reports too
     sys.exit(f"launch.sh: error: {error}")
 PY

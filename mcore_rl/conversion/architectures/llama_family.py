@@ -13,7 +13,7 @@ model that is silently different from the original.
 What is mapped
 --------------
 config.json (a plain dict) <-> `ModelConfig`, and HF tensors <-> the canonical full layout of
-`mcore_rl.parallel.sharding` (Megatron names, TP=1, PP=1, global layer indices, unpadded vocab).
+`mcore_rl.param_layout.sharding` (Megatron names, TP=1, PP=1, global layer indices, unpadded vocab).
 Only three canonical tensors are not a plain rename:
 
 * ``linear_qkv`` (weight and Qwen2 bias): for each KV group g, [the q heads of group g, k head g,
@@ -37,8 +37,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from mcore_rl.config.model import ModelConfig, RopeScalingConfig
-from mcore_rl.parallel import sharding
-from mcore_rl.parallel.sharding import ShardKind
+from mcore_rl.param_layout import sharding
+from mcore_rl.param_layout.sharding import ShardKind
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -8,7 +8,6 @@ weights (also for random initialisation), so KL to the reference is 0 at step 0.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from mcore_rl.config import ConfigError, InitConfig, JobConfig
 from mcore_rl.config.parallel import AUTO_ORDER
-from mcore_rl.conversion.architectures import ARCHITECTURES, Architecture, architecture_for
+from mcore_rl.conversion.export import hf_architecture
 from mcore_rl.models import DTYPES, build_gpt_model
 from mcore_rl.models.pretrained import build_from_init
 from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
@@ -107,19 +106,6 @@ def critic_init(config: JobConfig) -> InitConfig:
     if os.path.isfile(os.path.join(path, "config.json")):
         return InitConfig(hf_path=path)
     return InitConfig(checkpoint=path)
-
-
-def hf_architecture(config: JobConfig) -> Architecture:
-    """The HF architecture the engine loads: the init checkpoint's, else Llama's."""
-    if config.init.hf_path:
-        with open(os.path.join(config.init.hf_path, "config.json")) as handle:
-            return architecture_for(json.load(handle))
-    if config.init.checkpoint:
-        from mcore_rl.checkpoint import read_metadata
-        name = read_metadata(config.init.checkpoint).get("hf_architecture")
-        if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
-    return ARCHITECTURES["LlamaForCausalLM"]
 
 
 def context_length(config: JobConfig, max_prompt_tokens: int) -> int:

@@ -1,4 +1,5 @@
-"""The actor as an HF folder during training (trainer.export_hf_every).
+"""HF export of a job's model: the actor as an HF folder during training
+(trainer.export_hf_every), and the metadata every saved checkpoint keeps for the way back.
 
 Users deploy and evaluate HF folders, so a run can leave one next to its checkpoints. The export
 reuses the two tested halves of conversion: the actor's shards are written as an mcore_rl
@@ -17,22 +18,22 @@ import torch.distributed as dist
 
 from mcore_rl.checkpoint.weights_io import megatron_coordinates, read_metadata, save_weights
 from mcore_rl.config import JobConfig
-from mcore_rl.conversion.mcore_to_hf import convert_mcore_to_hf
-from mcore_rl.models.weights import local_parameters
 
-from .build import hf_architecture
+from .architectures import ARCHITECTURES, Architecture, architecture_for
+from .mcore_to_hf import convert_mcore_to_hf
 
 
-def export_actor_to_hf(config: JobConfig, module, tokenizer, out_dir: str) -> str:
-    """Write this rank's actor stage `module` into the HF folder `out_dir` (collective). An
-    existing folder is replaced: it is from a run that died after exporting this step and
-    before checkpointing it, and the resumed run has just trained the step again."""
+def export_actor_to_hf(config: JobConfig, parameters: dict, tokenizer, out_dir: str) -> str:
+    """Write this rank's actor shards (`parameters`: Megatron local names -> tensors) into the
+    HF folder `out_dir` (collective). An existing folder is replaced: it is from a run that
+    died after exporting this step and before checkpointing it, and the resumed run has just
+    trained the step again."""
     if dist.get_rank() == 0 and os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     dist.barrier()
     metadata = hf_metadata(config)
     weights_dir = out_dir + ".mcore"
-    save_weights(weights_dir, local_parameters(module), config.model, megatron_coordinates(),
+    save_weights(weights_dir, parameters, config.model, megatron_coordinates(),
                  extra_metadata=metadata, tokenizer_files=tokenizer_files(tokenizer),
                  overwrite=True)
     convert_mcore_to_hf(weights_dir, out_dir, metadata["hf_architecture"])
@@ -40,6 +41,19 @@ def export_actor_to_hf(config: JobConfig, module, tokenizer, out_dir: str) -> st
         shutil.rmtree(weights_dir)
     dist.barrier()
     return out_dir
+
+
+def hf_architecture(config: JobConfig) -> Architecture:
+    """The HF architecture the engine loads: the init checkpoint's, else Llama's."""
+    if config.init.hf_path:
+        with open(os.path.join(config.init.hf_path, "config.json")) as handle:
+            return architecture_for(json.load(handle))
+    if config.init.checkpoint:
+        from mcore_rl.checkpoint import read_metadata
+        name = read_metadata(config.init.checkpoint).get("hf_architecture")
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    return ARCHITECTURES["LlamaForCausalLM"]
 
 
 def hf_metadata(config: JobConfig) -> dict:

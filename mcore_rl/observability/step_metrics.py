@@ -125,7 +125,7 @@ class MetricsLogger:
         self.wandb_run = None
         self.jsonl = {}
         if self.active:
-            from mcore_rl.evaluation import EVAL_FILE, METRICS_FILE, JsonlWriter
+            from .run_files import EVAL_FILE, METRICS_FILE, JsonlWriter
 
             self.jsonl = {"step": JsonlWriter(os.path.join(output_dir, METRICS_FILE)),
                           "eval": JsonlWriter(os.path.join(output_dir, EVAL_FILE))}

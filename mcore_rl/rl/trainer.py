@@ -26,9 +26,11 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.algorithms.advantages import AdvantageInputs, compute_advantages
+from mcore_rl.algorithms import unregistered_names
 from mcore_rl.algorithms.kl import KLController, apply_kl_penalty, kl_estimate
 from mcore_rl.config import JobConfig, to_yaml, validate_rl
 from mcore_rl.config.rollout import PromptConfig
+from mcore_rl.conversion.model_source import with_model_from_init
 from mcore_rl.evaluation import EvalSamples, Evaluator, default_evaluators, run_evaluators
 from mcore_rl.rewards import RewardResult
 from mcore_rl.runtime import initialize, print0, shutdown
@@ -44,8 +46,8 @@ from .api import with_actor_model
 from .build import build_engine_and_roles, with_rank_order
 from .data import TrainingData, load_training_data
 from .experience import Rollout, make_experience, mini_batches, select_groups, varied_groups
-from .metrics import MetricsLogger, PhaseTimer, SumsAndCounts, peak_memory_metrics
-from .preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
+from mcore_rl.observability.step_metrics import MetricsLogger, PhaseTimer, SumsAndCounts, peak_memory_metrics
+from mcore_rl.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 
 
 class TrainingDiverged(RuntimeError):
@@ -85,7 +87,9 @@ class Trainer:
             config = dataclasses.replace(config, critic=dataclasses.replace(
                 config.critic, init_path=critic_model))
         launch = read_launch_env()
-        config = self.config = with_rank_order(validate_rl(config, launch.world_size),
+        config = with_model_from_init(config)
+        config = self.config = with_rank_order(validate_rl(
+            config, launch.world_size, unregistered_names(config.algorithm)),
                                                launch.ranks_per_node, launch.world_size)
         self.preemption = PreemptionFlag(config.trainer.save_signal)
         self.preempted = False
@@ -273,10 +277,12 @@ class Trainer:
 
     def export_hf(self) -> str:
         """The actor as an HF folder output_dir/hf/step_<N> (collective)."""
-        from .export import export_actor_to_hf
+        from mcore_rl.conversion.export import export_actor_to_hf
+        from mcore_rl.models.weights import local_parameters
 
         out_dir = os.path.join(self.config.runtime.output_dir, "hf", f"step_{self.step:08d}")
-        export_actor_to_hf(self.config, self.roles.actor.module, self.data.tokenizer, out_dir)
+        export_actor_to_hf(self.config, local_parameters(self.roles.actor.module),
+                           self.data.tokenizer, out_dir)
         print0(f"step {self.step}: exported the actor to {out_dir}")
         return out_dir
 
@@ -304,7 +310,7 @@ class Trainer:
                 if every and (self.step % every == 0 or self.step == total_steps):
                     self.logger.log(self.step, self.evaluate(), "eval")
         if self.config.trainer.plots and dist.get_rank() == 0:
-            from mcore_rl.evaluation import plot_run
+            from mcore_rl.observability import plot_run
             paths = plot_run(self.config.runtime.output_dir)
             print0(f"plots: {', '.join(str(path) for path in paths)}")
         return history
@@ -489,7 +495,7 @@ class Trainer:
 
     def save(self) -> str:
         """Checkpoint everything a bitwise resume needs (collective)."""
-        from mcore_rl.checkpoint.training_state import save_training_state
+        from mcore_rl.training.checkpointer import save_training_state
 
         state = {"sampler": self.data.sampler.state_dict(),
                  "kl_controller": self.kl_controller.state_dict(), "bad_steps": self.bad_steps}
@@ -500,8 +506,8 @@ class Trainer:
     def _refuse_to_mix_runs(self) -> None:
         """A run with nothing to resume must not append to an earlier run's logs (rank 0 looks,
         every rank raises)."""
-        from mcore_rl.checkpoint.training_state import latest_checkpoint
-        from mcore_rl.evaluation import METRICS_FILE
+        from mcore_rl.training.checkpointer import latest_checkpoint
+        from mcore_rl.observability import METRICS_FILE
 
         output_dir = self.config.runtime.output_dir
         metrics = os.path.join(output_dir, METRICS_FILE)
@@ -514,7 +520,7 @@ class Trainer:
         raise_on_any_rank(problems, FileExistsError, "")
 
     def _resume(self) -> None:
-        from mcore_rl.checkpoint.training_state import load_latest_training_state
+        from mcore_rl.training.checkpointer import load_latest_training_state
 
         loaded = load_latest_training_state(self.checkpoint_dir, self._trained_models())
         if loaded is None:

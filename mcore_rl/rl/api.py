@@ -19,7 +19,7 @@ import dataclasses
 from typing import Iterable, Optional
 
 from mcore_rl.config import InitConfig, JobConfig, ModelConfig, load_config
-from mcore_rl.config.load import with_model_from_init
+from mcore_rl.conversion.model_source import with_model_from_init
 from mcore_rl.runtime.launch_env import read_launch_env
 
 ALGORITHMS = {"ppo": "gae"}

@@ -22,7 +22,7 @@ from mcore_rl.resharding.plan import lower_bound_received
 from mcore_rl.rollout import RolloutEngine
 from mcore_rl.runtime.memory import PeakMemory
 
-from .metrics import SumsAndCounts
+from mcore_rl.observability.step_metrics import SumsAndCounts
 
 
 @dataclass(frozen=True)

@@ -177,3 +177,23 @@ def load_run(run_dir: str | os.PathLike) -> Run:
     return Run(directory=directory, name=os.path.normpath(run_dir),
                metrics=last_line_per_step(read_jsonl(directory / METRICS_FILE)),
                evals=last_line_per_step(evals), config_text=config_text, config=config)
+
+
+def refuse_earlier_run(output_dir: str, markers: tuple[str, ...], what: str,
+                       because: str = "") -> None:
+    """A job must not append to another run's files: every rank raises FileExistsError when
+    rank 0 finds one of `markers` (a non-empty file or a folder) in output_dir. Collective."""
+    import torch.distributed as dist
+
+    from mcore_rl.runtime.agreement import raise_on_any_rank
+
+    problems = []
+    if dist.get_rank() == 0:
+        found = [os.path.join(output_dir, name) for name in markers
+                 if os.path.isdir(os.path.join(output_dir, name))
+                 or (os.path.isfile(os.path.join(output_dir, name))
+                     and os.path.getsize(os.path.join(output_dir, name)))]
+        if found:
+            problems.append(f"runtime.output_dir={output_dir} {what} ({found[0]}){because}; "
+                            "choose another runtime.output_dir or delete it")
+    raise_on_any_rank(problems, FileExistsError, "")

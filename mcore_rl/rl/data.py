@@ -7,14 +7,11 @@ an unloadable tokenizer) is found here, at start-up, before any model is built.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-
-import torch.distributed as dist
 
 from mcore_rl.config import ConfigError, JobConfig
 from mcore_rl.data import (PromptRecord, PromptSampler, encode_prompts, load_records,
-                           write_toy_tokenizer)
+                           load_tokenizer, pad_id)
 from mcore_rl.rewards import RuleRewards
 from mcore_rl.roles import RuleReward
 from mcore_rl.runtime import print0
@@ -53,8 +50,7 @@ class TrainingData:
 
     @property
     def pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return self.tokenizer.eos_token_id if pad is None else pad
+        return pad_id(self.tokenizer)
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -92,40 +88,6 @@ class TrainingData:
     def close(self) -> None:
         if self.reward is not None:
             self.reward.rewards.close()
-
-
-def load_tokenizer(config: JobConfig):
-    """data.tokenizer, else the initial HF folder's or checkpoint's; the toy task alone brings
-    its own."""
-    path = config.data.tokenizer or config.init.hf_path or _checkpoint_tokenizer(config)
-    if not path and _only_toy_prompts(config):
-        path = os.path.join(config.runtime.output_dir, "toy_tokenizer")
-        if dist.get_rank() == 0:
-            write_toy_tokenizer(path)
-        dist.barrier()
-    if not path:
-        raise ConfigError("data.tokenizer is not set and there is no init.hf_path or init "
-                          "checkpoint with a tokenizer/ folder to take the tokenizer from")
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"data.tokenizer: cannot load a tokenizer from {path}: {error}") \
-            from error
-
-
-def _checkpoint_tokenizer(config: JobConfig) -> str | None:
-    """The tokenizer folder that travels with the init checkpoint, if it has one."""
-    if not config.init.checkpoint:
-        return None
-    folder = os.path.join(config.init.checkpoint, "tokenizer")
-    return folder if os.path.isdir(folder) else None
-
-
-def _only_toy_prompts(config: JobConfig) -> bool:
-    data = config.data
-    return bool(data.toy.size) and not (data.train_files or data.val_files
-                                        or data.reasoning_gym.tasks)
 
 
 def _encoded(config: JobConfig, split: str, tokenizer):

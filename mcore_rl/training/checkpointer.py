@@ -50,11 +50,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..models.heads import ScalarHead
-from ..training.optimizer import inner_optimizers
+from mcore_rl.models.heads import ScalarHead
+from .optimizer import inner_optimizers
 
 if TYPE_CHECKING:
-    from ..training.optimizer import TrainableModel
+    from .optimizer import TrainableModel
 
 MARKER_FILE = "complete.json"
 TRAINER_STATE_FILE = "trainer_state.pt"

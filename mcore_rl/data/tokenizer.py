@@ -1,0 +1,55 @@
+"""The job's tokenizer and the token ids every trainer takes from it.
+
+RL and SFT jobs load it the same way (data.tokenizer, else the init model's), so a model trained
+by one and continued by the other sees the same ids.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from mcore_rl.config import ConfigError, JobConfig
+
+from .toy import write_toy_tokenizer
+
+
+def load_tokenizer(config: JobConfig):
+    """data.tokenizer, else the initial HF folder's or checkpoint's; the toy task alone brings
+    its own (rank 0 writes it; collective)."""
+    path = config.data.tokenizer or config.init.hf_path or _checkpoint_tokenizer(config)
+    if not path and _only_toy_prompts(config):
+        path = os.path.join(config.runtime.output_dir, "toy_tokenizer")
+        if dist.get_rank() == 0:
+            write_toy_tokenizer(path)
+        dist.barrier()
+    if not path:
+        raise ConfigError("data.tokenizer is not set and there is no init.hf_path or init "
+                          "checkpoint with a tokenizer/ folder to take the tokenizer from")
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"data.tokenizer: cannot load a tokenizer from {path}: {error}") \
+            from error
+
+
+def pad_id(tokenizer) -> int:
+    """The id padding rows are filled with: the tokenizer's pad token, else its EOS."""
+    pad = tokenizer.pad_token_id
+    return tokenizer.eos_token_id if pad is None else pad
+
+
+def _checkpoint_tokenizer(config: JobConfig) -> str | None:
+    """The tokenizer folder that travels with the init checkpoint, if it has one."""
+    if not config.init.checkpoint:
+        return None
+    folder = os.path.join(config.init.checkpoint, "tokenizer")
+    return folder if os.path.isdir(folder) else None
+
+
+def _only_toy_prompts(config: JobConfig) -> bool:
+    data = config.data
+    return bool(data.toy.size) and not (data.train_files or data.val_files
+                                        or data.reasoning_gym.tasks)
