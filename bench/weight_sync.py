@@ -56,8 +56,7 @@ def measure(out_path: str, overrides: list[str], weight_layout: str, syncs: int)
     `syncs` times; rank 0 saves every rank's figures and its plan's bound."""
     from mcore_rl.config import load_config, validate_rl
     from mcore_rl.runtime import initialize, read_launch_env, shutdown
-    from mcore_rl.rl.build import (build_roles, build_vllm_engine, context_length,
-                                        with_rank_order)
+    from mcore_rl.rl.build import build_roles, build_vllm_engine, with_rank_order
 
     launch = read_launch_env()
     config = validate_rl(load_config(os.path.join(REPO, "configs", "grpo_toy.yaml"), overrides),
@@ -65,8 +64,7 @@ def measure(out_path: str, overrides: list[str], weight_layout: str, syncs: int)
     if weight_layout == "vllm":
         config = with_rank_order(config, launch.ranks_per_node, launch.world_size)
     runtime = initialize(config, launch)
-    engine, weight_sync = build_vllm_engine(config, context_length(
-        config, config.data.max_prompt_tokens), weight_layout)
+    engine, weight_sync = build_vllm_engine(config, config.sequence_length(), weight_layout)
     actor = build_roles(config, runtime.device).actor
     figures = []
     for _ in range(syncs):

@@ -105,7 +105,7 @@ def performance(args, check: Checks) -> dict:
     """Training throughput of a ~0.8B Llama (bf16 on GPUs, distributed optimizer): tokens/s,
     achieved TFLOP/s, MFU against the GPU's dense bf16 peak, peak memory."""
     from mcore_rl.smoke import next_token_loss, random_batch
-    from mcore_rl.training import make_trainable, train_step
+    from mcore_rl.training import train_step
 
     sequence = 128 if args.tiny else 2048
     config = _job(args, TINY_MODEL if args.tiny else PERF_MODEL, sequence, global_batch=8,

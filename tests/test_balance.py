@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 from balance_worker import PAD_ID, make_batch, row_lengths, run, scrambled_assignment
-from mcore_rl.training.balance import (_lpt_groups, _relabel, balance_over_data_parallel,
-                                       balanced_assignment, exchange_rows, max_over_mean,
-                                       max_weight_matching, rank_tokens, rows_moved)
+from mcore_rl.training.balance import balance_over_data_parallel, exchange_rows
+from mcore_rl.training.balance_plan import (_lpt_groups, _relabel, balanced_assignment,
+                                            max_over_mean, max_weight_matching, rank_tokens,
+                                            rows_moved)
 from world import run_world
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -11,7 +12,8 @@ from .data import CHAT_TEMPLATE_MODES, DataConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
 from .reward import RewardConfig
-from .rl import CriticConfig, ReferenceConfig, RoleConfig, RolloutConfig, TrainerConfig
+from .rl import (CriticConfig, ReferenceConfig, RoleConfig, RolloutConfig, TrainerConfig,
+                 rollout_tp_errors)
 from .runtime import RuntimeConfig
 from .sft import SftConfig
 from .training import BatchConfig, OptimizerConfig
@@ -31,6 +33,14 @@ class InitConfig:
 
     checkpoint: Optional[str] = None
     """An mcore_rl weights checkpoint (`mcore-rl convert hf-to-mcore` or a training save)."""
+
+    @staticmethod
+    def from_path(path: str) -> "InitConfig":
+        """`path` as a source: an HF folder when it holds config.json, else an mcore_rl
+        checkpoint."""
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return InitConfig(hf_path=path)
+        return InitConfig(checkpoint=path)
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,11 @@ class JobConfig:
     sft: SftConfig = field(default_factory=SftConfig)
     """Supervised fine-tuning on demonstrations (`mcore-rl sft`)."""
 
+    def sequence_length(self) -> int:
+        """The longest RL sequence: a prompt (data.max_prompt_tokens) and its response
+        (rollout.sampling.max_new_tokens)."""
+        return self.data.max_prompt_tokens + self.rollout.sampling.max_new_tokens
+
 
 def validate(config: JobConfig, world_size: int) -> JobConfig:
     """Check every rule that can be checked before a process group exists; raise ConfigError
@@ -131,14 +146,14 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
     errors += config.actor.optimizer.check("actor.optimizer")
     errors += config.critic.optimizer.check("critic.optimizer")
     errors += _rl_batch_errors(config, world_size) + list(name_errors)
-    length = config.data.max_prompt_tokens + config.rollout.sampling.max_new_tokens
+    length = config.sequence_length()
     if length > config.model.max_position_embeddings:
         errors.append(f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {length} "
                       f"exceeds model.max_position_embeddings="
                       f"{config.model.max_position_embeddings}")
-    rollout_tp = config.rollout.rollout_tp
-    if config.rollout.engine == "vllm" and world_size % rollout_tp:
-        errors.append(f"rollout.rollout_tp={rollout_tp} must divide the world size {world_size}")
+    if config.rollout.engine == "vllm":
+        errors += [f"rollout.{message}" for message in rollout_tp_errors(
+            config.rollout.rollout_tp, world_size, config.model.num_attention_heads)]
     for role in ("actor", "critic"):
         if getattr(config, role).offload and config.rollout.engine != "vllm":
             errors.append(f"{role}.offload=true needs rollout.engine=vllm (the "
@@ -179,7 +194,7 @@ def _rl_batch_errors(config: JobConfig, world_size: int) -> list[str]:
     for role in ("actor", "critic") if config.algorithm.needs_critic else ("actor",):
         micro = getattr(config, role).micro_batch_size
         budget = getattr(config, role).max_tokens_per_micro_batch
-        length = config.data.max_prompt_tokens + config.rollout.sampling.max_new_tokens
+        length = config.sequence_length()
         if budget:
             if budget < length:
                 errors.append(f"{role}.max_tokens_per_micro_batch={budget} must hold the "

@@ -132,8 +132,6 @@ class RolloutConfig:
         errors += [f"rollout.eval_{message}" for message in self.eval_sampling.errors()]
         if self.engine not in ENGINES:
             errors.append(f"rollout.engine={self.engine!r} must be one of {ENGINES}")
-        if self.rollout_tp < 1:
-            errors.append(f"rollout.rollout_tp={self.rollout_tp} must be >= 1")
         if not 0 < self.gpu_memory_utilization < 1:
             errors.append(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must "
                           "be in (0, 1): training needs the rest of the GPU")
@@ -254,3 +252,13 @@ def signal_from_name(name: str) -> signal.Signals:
         raise ValueError(f"unknown signal {name!r}; valid names: "
                          f"{', '.join(sorted(signal.Signals.__members__))}")
     return signal.Signals[full_name]
+
+
+def rollout_tp_errors(rollout_tp: int, world_size: int, num_attention_heads: int) -> list[str]:
+    """The rules of a rollout tensor-parallel size (the one place they are written): engine
+    instances are groups of `rollout_tp` consecutive ranks, each splitting the attention heads."""
+    if rollout_tp < 1 or world_size % rollout_tp:
+        return [f"rollout_tp={rollout_tp} must be >= 1 and divide the world size {world_size}"]
+    if num_attention_heads % rollout_tp:
+        return [f"rollout_tp={rollout_tp} must divide num_attention_heads={num_attention_heads}"]
+    return []

@@ -70,8 +70,5 @@ def make_trainer_config(algo: str = "grpo", *, config_file: Optional[str] = None
 def with_actor_model(config: JobConfig, path: str) -> JobConfig:
     """The config with its starting weights (and architecture) taken from `path`, an HF folder
     or an mcore_rl checkpoint."""
-    import os
-
-    init = InitConfig(hf_path=path) if os.path.isfile(os.path.join(path, "config.json")) \
-        else InitConfig(checkpoint=path)
-    return with_model_from_init(dataclasses.replace(config, init=init, model=ModelConfig()))
+    return with_model_from_init(dataclasses.replace(config, init=InitConfig.from_path(path),
+                                                    model=ModelConfig()))

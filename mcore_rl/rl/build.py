@@ -23,11 +23,14 @@ from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.resharding.layouts import DEFAULT_ORDER
 from mcore_rl.resharding.rank_order import choose_training_order
-from mcore_rl.roles import Actor, Critic, Reference, RewardModel
+from mcore_rl.rewards import RuleRewards
+from mcore_rl.roles import Actor, Critic, Reference, RewardModel, RuleReward
 from mcore_rl.runtime import seed_everything
+from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.rollout import MegatronEngine, RolloutEngine
 from mcore_rl.training import make_trainable
 
+from .data import TrainingData
 from .weight_sync import WeightSync
 
 @dataclass
@@ -71,6 +74,23 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
     return Roles(actor, critic, reference, reward_model)
 
 
+def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_scorer: bool
+                      ) -> RuleReward | None:
+    """The rule rewards on the ranks that score (the first of each model-parallel group), after
+    checking on every rank that each data source has a reward function (collective). None where
+    a reward model scores instead. reward_fn: see `Trainer`."""
+    reward, problems = None, []
+    if is_scorer and not config.reward.model_path:
+        try:
+            rewards = RuleRewards(config.reward, reward_fn)
+            reward = RuleReward(rewards, data.tokenizer)
+            rewards.check_data_sources({r.data_source for r in data.records + data.validation})
+        except ValueError as error:
+            problems.append(str(error))
+    raise_on_any_rank(problems, ConfigError, "reward: ")
+    return reward
+
+
 def build_reward_model(config: JobConfig, device: torch.device) -> RewardModel:
     """The frozen reward model from reward.model_path (an HF sequence classifier)."""
     from mcore_rl.checkpoint import megatron_coordinates
@@ -101,15 +121,7 @@ def critic_init(config: JobConfig) -> InitConfig:
     """The critic's starting weights: critic.init_path (HF folder or mcore_rl checkpoint, told
     apart by config.json), else the actor's."""
     path = config.critic.init_path
-    if not path:
-        return config.init
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return InitConfig(hf_path=path)
-    return InitConfig(checkpoint=path)
-
-
-def context_length(config: JobConfig, max_prompt_tokens: int) -> int:
-    return max_prompt_tokens + config.rollout.sampling.max_new_tokens
+    return InitConfig.from_path(path) if path else config.init
 
 
 def with_rank_order(config: JobConfig, ranks_per_node: int, world_size: int) -> JobConfig:
@@ -128,14 +140,14 @@ def with_rank_order(config: JobConfig, ranks_per_node: int, world_size: int) -> 
         parallel, rank_order="-".join(order)))
 
 
-def build_engine_and_roles(config: JobConfig, device: torch.device, max_prompt_tokens: int
+def build_engine_and_roles(config: JobConfig, device: torch.device
                            ) -> tuple[RolloutEngine, WeightSync | None, Roles]:
     """The rollout engine, the weight sync that feeds it (None when it generates on the actor's
     own parameters) and the roles. vLLM starts first: it needs its share of the GPU
     (rollout.gpu_memory_utilization) free at start-up, and it sleeps at once, so the roles
     get that memory back until the first generate. The Megatron engine comes after, on the
     actor's module."""
-    length = context_length(config, max_prompt_tokens)
+    length = config.sequence_length()
     if config.rollout.engine == "vllm":
         engine, weight_sync = build_vllm_engine(config, length)
         # vLLM seeds torch with its own per-instance seed: reseed, or randomly initialised

@@ -1,21 +1,17 @@
-"""The trainer's side of the data: tokenized prompt records, this rank's share of each step, and
-the reward role that scores them.
+"""The RL trainer's side of the data: tokenized prompt records and this rank's share of each step.
 
-Everything that can be wrong with the data (a bad row, a data source without a reward function,
-an unloadable tokenizer) is found here, at start-up, before any model is built.
+Everything that can be wrong with the data (a bad row, an unloadable tokenizer) is found here, at
+start-up, before any model is built (a data source without a reward function: rl.build).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcore_rl.config import ConfigError, JobConfig
+from mcore_rl.config import JobConfig
 from mcore_rl.data import (PromptRecord, PromptSampler, encode_prompts, load_records,
                            load_tokenizer, pad_id)
-from mcore_rl.rewards import RuleRewards
-from mcore_rl.roles import RuleReward
 from mcore_rl.runtime import print0
-from mcore_rl.runtime.agreement import raise_on_any_rank
 
 
 @dataclass
@@ -39,10 +35,6 @@ class TrainingData:
 
     tokenizer: object
     """The HF tokenizer that encoded the prompts and decodes responses."""
-
-    reward: RuleReward | None
-    """The rule reward role (only on ranks that score: the first of each model-parallel group;
-    None everywhere when a reward model scores instead)."""
 
     dp_rank: int
     dp_size: int
@@ -85,10 +77,6 @@ class TrainingData:
                              f"data.max_prompt_tokens={self.max_prompt_tokens}")
         return encoded.records, encoded.token_ids
 
-    def close(self) -> None:
-        if self.reward is not None:
-            self.reward.rewards.close()
-
 
 def _encoded(config: JobConfig, split: str, tokenizer):
     records, skipped = load_records(config.data, split)
@@ -100,24 +88,12 @@ def _encoded(config: JobConfig, split: str, tokenizer):
     return encoded
 
 
-def load_training_data(config: JobConfig, dp_rank: int, dp_size: int, reward_fn,
-                       is_scorer: bool) -> TrainingData:
-    """Load and encode the splits, start the sampler, and (on scoring ranks) the reward role
-    after checking every data source has a reward function."""
+def load_training_data(config: JobConfig, dp_rank: int, dp_size: int) -> TrainingData:
+    """Load and encode the splits and start the sampler."""
     tokenizer = load_tokenizer(config)
     train = _encoded(config, "train", tokenizer)
     validation = _encoded(config, "val", tokenizer)
     sampler = PromptSampler(len(train.records), config.rollout.prompts_per_step, dp_rank,
                             dp_size, config.data.seed, config.data.shuffle)
-    reward, problems = None, []
-    if is_scorer and not config.reward.model_path:
-        try:
-            rewards = RuleRewards(config.reward, reward_fn)
-            reward = RuleReward(rewards, tokenizer)
-            rewards.check_data_sources({r.data_source for r in train.records + validation.records})
-        except ValueError as error:
-            problems.append(str(error))
-    raise_on_any_rank(problems, ConfigError, "reward: ")
     return TrainingData(train.records, train.token_ids, validation.records, validation.token_ids,
-                        sampler, tokenizer, reward, dp_rank, dp_size,
-                        config.data.max_prompt_tokens)
+                        sampler, tokenizer, dp_rank, dp_size, config.data.max_prompt_tokens)

@@ -1,4 +1,5 @@
-"""A step's experience: generations and their scores as the [n, s] tensors the roles consume.
+"""A step's experience: generations and their scores as the [n, s] tensors the roles consume,
+with the forward passes and advantages the update needs.
 
 Rows are prompt+response sequences, right-padded. `response_mask` marks response tokens;
 `loss_mask` is the subset that trains (overlong filtering removes truncated responses from it);
@@ -13,7 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_rl.algorithms.advantages import AdvantageInputs, compute_advantages
+from mcore_rl.algorithms.kl import KLController, apply_kl_penalty, kl_estimate
+from mcore_rl.config import AlgorithmConfig
 from mcore_rl.config.rl import RolloutConfig
+from mcore_rl.observability.step_metrics import SumsAndCounts
 from mcore_rl.rollout import Generation
 
 
@@ -105,3 +110,32 @@ def select_groups(rollouts: list[Rollout], kept: list[list[int]]) -> Rollout:
     metrics = {name: sum(r.generation.metrics.get(name, 0) for r in rollouts)
                for name in ("prompts", "truncated_prompts", "generated_tokens", "seconds")}
     return Rollout(records, token_ids, Generation(completions, prompts, metrics), results)
+
+
+def add_forward_passes(batch: dict, roles) -> None:
+    """Old log-probs (actor), reference log-probs and old values (critic) of the batch."""
+    batch["old_logprobs"] = roles.actor.logprobs(batch)["logprobs"]
+    if roles.reference is not None:
+        batch["ref_logprobs"] = roles.reference.logprobs(batch)
+    if roles.critic is not None:
+        batch["old_values"] = roles.critic.values(batch)
+
+
+def add_advantages(batch: dict, algorithm: AlgorithmConfig, kl_controller: KLController,
+                   dp_group, stats: SumsAndCounts) -> None:
+    """Advantages and returns of the configured estimator, from the outcome rewards less the KL
+    penalty when algorithm.use_kl_in_reward (the controller adapts to the measured KL)."""
+    mask = batch["response_mask"]
+    token_rewards = batch["token_rewards"]
+    if "ref_logprobs" in batch:
+        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algorithm.kl_estimator)
+        stats.add("actor/kl_to_reference", kl, mask)
+    if algorithm.use_kl_in_reward:
+        token_rewards, _ = apply_kl_penalty(token_rewards, batch["old_logprobs"],
+                                            batch["ref_logprobs"], mask.float(), kl_controller,
+                                            algorithm.kl_estimator, dp_group)
+        stats.add("actor/kl_coef", torch.tensor([kl_controller.value]))
+    inputs = AdvantageInputs(token_rewards=token_rewards, response_mask=mask.float(),
+                             group_ids=batch["group_ids"], values=batch.get("old_values"),
+                             reward_baselines=batch.get("reward_baselines"))
+    batch["advantages"], batch["returns"] = compute_advantages(inputs, algorithm, dp_group)

@@ -2,7 +2,8 @@
 
 The actor (trained policy), the critic (trained value model), the reference (frozen policy) and
 the reward model (frozen scalar head) are separate objects over separate Megatron models, built
-from the same job config; the rule reward turns generations into scores. No class switches
+from the same job config; the scorer turns generations into scores (rule rewards or the reward
+model). No class switches
 behaviour on a role flag.
 """
 
@@ -11,5 +12,6 @@ from .critic import Critic
 from .reference import Reference
 from .reward import RuleReward
 from .reward_model import RewardModel
+from .scorer import Scorer
 
-__all__ = ["Actor", "Critic", "Reference", "RewardModel", "RuleReward"]
+__all__ = ["Actor", "Critic", "Reference", "RewardModel", "RuleReward", "Scorer"]

@@ -14,16 +14,25 @@ from __future__ import annotations
 
 import torch
 
+from mcore_rl.observability.step_metrics import SumsAndCounts
+
+
+def add_logprob_mismatch(stats: SumsAndCounts, engine_logprobs: torch.Tensor,
+                         trainer_logprobs: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """Accumulate the mismatch metrics of this rank's response tokens (tensors [n, s]); the
+    caller reduces them over data-parallel ranks."""
+    mask = response_mask.bool()
+    delta = (trainer_logprobs.double() - engine_logprobs.double())
+    stats.add("rollout/logprob_abs_diff_mean", delta.abs(), mask)
+    stats.add_max("rollout/logprob_abs_diff_max", delta.abs()[mask])
+    stats.add("rollout/k3_kl", delta.exp() - 1 - delta, mask)
+
 
 def logprob_mismatch(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor,
                      response_mask: torch.Tensor) -> dict[str, float]:
-    """Mismatch metrics over the positions where response_mask is 1 (tensors [n, s])."""
-    mask = response_mask.bool()
-    if not bool(mask.any()):
+    """The mismatch metrics of one batch on this rank alone."""
+    if not bool(response_mask.bool().any()):
         raise ValueError("logprob_mismatch: response_mask selects no tokens")
-    delta = (trainer_logprobs.double() - engine_logprobs.double())[mask]
-    return {
-        "rollout/logprob_abs_diff_mean": float(delta.abs().mean()),
-        "rollout/logprob_abs_diff_max": float(delta.abs().max()),
-        "rollout/k3_kl": float((delta.exp() - 1 - delta).mean()),
-    }
+    stats = SumsAndCounts()
+    add_logprob_mismatch(stats, engine_logprobs, trainer_logprobs, response_mask)
+    return stats.means()

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config.model import ModelConfig
+from mcore_rl.config.rl import rollout_tp_errors
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.conversion.architectures import Architecture
 from mcore_rl.resharding.delivery import hf_named
@@ -315,11 +316,7 @@ def _start_problems(model_dir: str, model: ModelConfig, rollout_tp: int, world: 
     config = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config):
         problems.append(f"{config} does not exist (vLLM needs an HF config folder)")
-    if rollout_tp < 1 or world % rollout_tp:
-        problems.append(f"rollout_tp={rollout_tp} must divide the world size {world}")
-    if model.num_attention_heads % max(rollout_tp, 1):
-        problems.append(f"rollout_tp={rollout_tp} must divide num_attention_heads="
-                        f"{model.num_attention_heads}")
+    problems += rollout_tp_errors(rollout_tp, world, model.num_attention_heads)
     if dtype not in VLLM_DTYPES:
         problems.append(f"dtype {dtype} is not one of {sorted(map(str, VLLM_DTYPES))}")
     try:

@@ -1,0 +1,55 @@
+"""The RL step's numbers: what each rank adds up from its rollouts, and what follows from the
+data-parallel sums (standard deviations, the critic's explained variance)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mcore_rl.observability.step_metrics import SumsAndCounts
+from mcore_rl.rollout.mismatch import add_logprob_mismatch
+
+
+def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
+                        stats: SumsAndCounts) -> None:
+    """This rank's rollout numbers: rewards, lengths, advantages, values, mismatch."""
+    scores = batch["scores"].double()
+    stats.add("reward/mean", scores)
+    stats.add("reward/square", scores.square())
+    stats.add("reward/accuracy", (scores >= 1.0).double())
+    stats.add("reward/errors", torch.tensor([sum(r.error is not None for r in results)],
+                                            dtype=torch.float64))
+    response = batch["response_mask"].bool()
+    lengths = response.sum(dim=1).double()
+    stats.add("response/length_mean", lengths)
+    stats.add_max("response/length_max", lengths)
+    stats.add("response/truncated", batch["truncated"].double())
+    stats.add("throughput/tokens", torch.tensor([float(batch["attention_mask"].sum())]))
+    stats.add("advantages/mean", batch["advantages"], response)
+    stats.add_max("advantages/max", batch["advantages"][response])
+    stats.add_max("advantages/neg_min", -batch["advantages"][response])
+    add_logprob_mismatch(stats, batch["engine_logprobs"], batch["old_logprobs"], response)
+    stats.add("rollout/truncated_prompts",
+              torch.tensor([float(generation_metrics.get("truncated_prompts", 0))]))
+    if "old_values" in batch:
+        values, returns = batch["old_values"].double(), batch["returns"].double()
+        stats.add("critic/values_mean", values, response)
+        stats.add("critic/returns_mean", returns, response)
+        stats.add("critic/returns_square", returns.square(), response)
+        stats.add("critic/error_mean", returns - values, response)
+        stats.add("critic/error_square", (returns - values).square(), response)
+
+
+def derived_metrics(metrics: dict) -> dict:
+    """Standard deviations, the advantage minimum and the critic's explained variance from the
+    reduced sums (helper entries removed)."""
+    metrics["reward/std"] = math.sqrt(max(metrics.pop("reward/square")
+                                          - metrics["reward/mean"] ** 2, 0.0))
+    metrics["advantages/min"] = -metrics.pop("advantages/neg_min")
+    if "critic/returns_square" in metrics:
+        returns_var = metrics.pop("critic/returns_square") - metrics["critic/returns_mean"] ** 2
+        error_var = metrics.pop("critic/error_square") - metrics.pop("critic/error_mean") ** 2
+        metrics["critic/explained_variance"] = 1 - error_var / returns_var \
+            if returns_var > 0 else float("nan")
+    return metrics

@@ -1,0 +1,54 @@
+"""Scoring: rule rewards and a reward model through one path.
+
+Every rank of a model-parallel group (TP x PP) must train on identical rows, so the group's
+first rank is the source of truth for what was generated and how it scored: it scores its
+generation with the rule rewards (sandboxed workers run only there) and broadcasts both to the
+group. A reward model is itself model-parallel, so it scores on every rank, after the
+hand-over.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from mcore_rl.rewards import RewardResult
+from mcore_rl.rollout import Generation
+
+from .reward import RuleReward
+from .reward_model import RewardModel
+
+
+class Scorer:
+    """One RewardResult per completion, identical on every rank of a model-parallel group."""
+
+    def __init__(self, rule_reward: RuleReward | None, reward_model: RewardModel | None,
+                 pad_id: int, model_parallel_group):
+        self.rule_reward = rule_reward
+        """The rule rewards (only on the group's first rank; None where a reward model
+        scores)."""
+        self.reward_model = reward_model
+        self.pad_id = pad_id
+        self.group = model_parallel_group
+        self.source = dist.get_process_group_ranks(model_parallel_group)[0]
+        """The global rank whose generation and rule scores the group adopts."""
+
+    def score(self, generation: Generation, records: list, tag: str
+              ) -> tuple[Generation, list[RewardResult]]:
+        """The group's generation (the source rank's) and its scores; `tag` prefixes the
+        sample ids in the sandbox's logs."""
+        payload = [(generation, None)]
+        if dist.get_rank() == self.source and self.rule_reward is not None:
+            payload = [(generation, self.rule_reward.score(generation, records, tag))]
+        if dist.get_world_size(self.group) > 1:
+            dist.broadcast_object_list(payload, src=self.source, group=self.group)
+        generation, results = payload[0]
+        if self.reward_model is not None:
+            rows = generation.response_tensors(self.pad_id)
+            scores = self.reward_model.score(rows["input_ids"], rows["attention_mask"])
+            results = [RewardResult(float(score)) for score in scores.tolist()]
+        return generation, results
+
+    def close(self) -> None:
+        """Stop the rule rewards' worker processes."""
+        if self.rule_reward is not None:
+            self.rule_reward.rewards.close()
