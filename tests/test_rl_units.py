@@ -12,7 +12,7 @@ import torch
 from mcore_rl.algorithms import unregistered_names
 from mcore_rl.algorithms.objectives import actor_objective
 from mcore_rl.config import AlgorithmConfig, ConfigError, load_config, validate_rl
-from mcore_rl.config.rl import RolloutConfig
+from mcore_rl.config.rl import ImportanceCorrection, RolloutConfig
 from mcore_rl.config.rollout import SamplingConfig
 from mcore_rl.rollout import Completion, Generation
 from mcore_rl.rl.api import make_trainer_config
@@ -99,7 +99,7 @@ def test_actor_objective_with_importance_cap_matches_slow_reference():
     numerator, denominator, metrics = actor_objective(
         {"logprobs": logprobs, "entropy": entropy},
         {"loss_mask": mask, "old_logprobs": old, "advantages": advantages,
-         "engine_logprobs": engine}, config, importance_cap=1.5)
+         "engine_logprobs": engine}, config, ImportanceCorrection(cap=1.5))
     total = 0.0
     for i in range(3):
         for t in range(5):
@@ -116,6 +116,66 @@ def test_actor_objective_with_importance_cap_matches_slow_reference():
     assert float(numerator) == pytest.approx(total, rel=1e-5)
     assert 0 < float(metrics["actor/importance_weight"]) <= 1.5
 
+
+
+@pytest.mark.parametrize("level,mode", [("token", "mask"), ("sequence", "truncate"),
+                                        ("sequence", "mask")])
+def test_off_policy_corrections_match_their_definitions(level, mode):
+    """Masked IS drops the tokens (token level) or whole responses (sequence level) whose ratio
+    leaves [floor, cap] from numerator and denominator and weights the rest by their ratio;
+    sequence-level IS uses exp(sum of the response's log ratios) on every token."""
+    torch.manual_seed(1)
+    shape = (4, 5)
+    logprobs, old = -torch.rand(shape), -torch.rand(shape)
+    engine = old + 0.15 * torch.randn(shape)  # some tokens and responses leave [0.8, 1.3]
+    advantages = torch.randn(shape)
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0], [1, 1, 1, 1, 1]],
+                        dtype=torch.float)
+    config = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28)
+    correction = RolloutConfig(importance_cap=1.3, importance_floor=0.8, importance_level=level,
+                               importance_mode=mode).importance_correction()
+    numerator, denominator, _ = actor_objective(
+        {"logprobs": logprobs, "entropy": torch.zeros(shape)},
+        {"loss_mask": mask, "old_logprobs": old, "advantages": advantages,
+         "engine_logprobs": engine}, config, correction)
+    total, kept_tokens = 0.0, 0
+    for i in range(shape[0]):
+        tokens = [t for t in range(shape[1]) if mask[i, t]]
+        sequence_ratio = math.exp(sum(float(old[i, t] - engine[i, t]) for t in tokens))
+        for t in tokens:
+            ratio = sequence_ratio if level == "sequence" else math.exp(old[i, t] - engine[i, t])
+            if mode == "mask" and not 0.8 <= ratio <= 1.3:
+                continue
+            weight = min(ratio, 1.3)
+            policy_ratio = math.exp(logprobs[i, t] - old[i, t])
+            a = float(advantages[i, t])
+            loss = max(-a * policy_ratio, -a * min(max(policy_ratio, 0.8), 1.28))
+            if a < 0:
+                loss = min(loss, -a * 3.0)
+            total += loss * weight
+            kept_tokens += 1
+    assert 0 < kept_tokens < int(mask.sum()) or mode == "truncate"
+    assert int(denominator) == kept_tokens
+    assert float(numerator) == pytest.approx(total, rel=1e-5)
+
+
+def test_off_policy_statistics_report_staleness_and_weights():
+    from mcore_rl.rl.step_statistics import off_policy_statistics
+
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+    engine = torch.log(torch.tensor([[0.25, 0.5, 1.0], [0.5, 0.4, 0.5]]))  # ratios 2, 1, .5; 1, 1.25, 1
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    batch = {"input_ids": torch.zeros(2, 3), "loss_mask": mask, "old_logprobs": old,
+             "engine_logprobs": engine}
+    stats = SumsAndCounts()
+    correction = RolloutConfig(importance_cap=1.5, importance_floor=0.6,
+                               importance_mode="mask").importance_correction()
+    off_policy_statistics(batch, 2, correction, stats)
+    found = stats.means()
+    assert found["rollout/staleness_mean"] == found["rollout/staleness_max"] == 2
+    assert found["rollout/is_masked_fraction"] == pytest.approx(2 / 5)  # 2 and 0.5 leave
+    assert found["rollout/is_weight_mean"] == pytest.approx((1 + 1 + 1.25) / 3)
+    assert found["rollout/is_weight_max"] == pytest.approx(1.25)
 
 def test_bad_steps():
     good = {"training/update_skipped": 0.0, "actor/loss": 0.1, "actor/grad_norm": 1.0,
@@ -142,6 +202,11 @@ def test_rl_config_rules_name_the_fields():
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         validate_rl(dataclasses.replace(config, data=dataclasses.replace(
             config.data, max_prompt_tokens=10 ** 6)), 1)
+    with pytest.raises(ConfigError, match=r"importance_floor=1.0 must be in \[0, importance_cap"):
+        validate_rl(load_config(None, ["rollout.importance_mode=mask",
+                                       "rollout.importance_floor=1.0"]), 1)
+    with pytest.raises(ConfigError, match="importance_level='row' must be one of"):
+        validate_rl(load_config(None, ["rollout.importance_level=row"]), 1)
     with pytest.raises(ConfigError, match="actor.offload=true needs rollout.engine=vllm"):
         validate_rl(load_config(None, ["actor.offload=true", "rollout.engine=megatron"]), 1)
 

@@ -2,14 +2,14 @@
 
 They put the pure pieces together in verl's order:
 
-  actor:  policy loss (registry) x truncated importance weight (optional)
+  actor:  policy loss (registry) x importance weight (optional; off_policy.py)
           - entropy_coef x entropy + kl_coef x KL(pi || pi_ref)    (the last with use_kl_loss)
   critic: clipped value loss (x value_loss_coef)
 
 and aggregate per-token losses into the additive (numerator, denominator) pair that
-`training.train_step` divides globally. The importance weight is Yao et al.'s truncated IS
-(2025): min(exp(logp_old - logp_engine), cap), detached, correcting for the engine having sampled
-from a slightly different distribution than the trainer computes.
+`training.train_step` divides globally. The importance weight corrects for the engine having
+sampled from a different distribution than the trainer computes (truncated or masked, per token
+or per response: algorithms.off_policy); masked tokens leave the numerator and the denominator.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 
 from mcore_rl.config.algorithm import AlgorithmConfig
+from mcore_rl.config.rl import ImportanceCorrection
 
 from .kl import kl_estimate
 from .losses import POLICY_LOSSES, aggregate, value_loss
+from .off_policy import importance_weights
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -27,17 +29,19 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def actor_objective(outputs: dict, micro_batch: dict, config: AlgorithmConfig,
-                    importance_cap: float = 0.0):
+                    correction: ImportanceCorrection = ImportanceCorrection()):
     """(numerator, denominator, metrics) of the policy objective on one micro-batch. Needs
     micro_batch keys loss_mask, old_logprobs, advantages (+ ref_logprobs with use_kl_loss,
-    engine_logprobs with an importance cap)."""
+    engine_logprobs with an importance correction)."""
     mask = micro_batch["loss_mask"].float()
     logprobs = outputs["logprobs"]
+    if correction.enabled:
+        weight, keep = importance_weights(micro_batch["old_logprobs"],
+                                          micro_batch["engine_logprobs"], mask, correction)
+        mask = mask * keep
     losses, metrics = POLICY_LOSSES.get(config.policy_loss)(
         logprobs, micro_batch["old_logprobs"], micro_batch["advantages"], mask, config)
-    if importance_cap > 0:
-        weight = (micro_batch["old_logprobs"] - micro_batch["engine_logprobs"]).exp()
-        weight = weight.clamp(max=importance_cap).detach()
+    if correction.enabled:
         losses = losses * weight
         metrics["actor/importance_weight"] = _masked_mean(weight, mask)
     entropy = _masked_mean(outputs["entropy"].detach(), mask)

@@ -18,6 +18,8 @@ from .training import OptimizerConfig
 
 ENGINES = ("vllm", "megatron")
 OVERLONG_RESPONSES = ("keep", "filter", "penalty")
+IMPORTANCE_LEVELS = ("token", "sequence")
+IMPORTANCE_MODES = ("truncate", "mask")
 WANDB_MISSING = ("trainer.wandb_project is set but wandb is not installed: pip install wandb "
                  "(or unset trainer.wandb_project)")
 
@@ -123,8 +125,26 @@ class RolloutConfig:
     """Most generate rounds per step with dynamic sampling."""
 
     importance_cap: float = 0.0
-    """Truncated importance sampling: weight each token's policy loss by
-    min(exp(logp_old - logp_engine), cap) to correct the engine/trainer mismatch (0: off)."""
+    """Importance sampling against the engine's (behaviour) log-probs, correcting for the
+    engine/trainer mismatch and for stale rollouts (0: off). With importance_mode=truncate each
+    token's policy loss is weighted by min(ratio, cap), ratio = exp(logp_old - logp_engine);
+    with importance_mode=mask, `cap` is the upper end of the kept range."""
+
+    importance_floor: float = 0.0
+    """importance_mode=mask: the lower end of the kept ratio range (0: no lower end)."""
+
+    importance_level: str = "token"
+    """token: one ratio per token; sequence: one per response, exp of the summed per-token log
+    ratios, applied to all its tokens."""
+
+    importance_mode: str = "truncate"
+    """truncate: weight by min(ratio, cap) (Yao et al. 2025's truncated IS); mask: drop from the
+    loss the tokens (importance_level=token) or whole responses (sequence) whose ratio leaves
+    [importance_floor, importance_cap] and weight the rest by their ratio (masked IS)."""
+
+    def importance_correction(self) -> "ImportanceCorrection":
+        return ImportanceCorrection(self.importance_cap, self.importance_floor,
+                                    self.importance_level, self.importance_mode)
 
     def errors(self) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""
@@ -155,7 +175,32 @@ class RolloutConfig:
             errors.append(f"rollout.max_sampling_rounds={self.max_sampling_rounds} must be >= 1")
         if self.importance_cap < 0:
             errors.append(f"rollout.importance_cap={self.importance_cap} must be >= 0")
+        if self.importance_level not in IMPORTANCE_LEVELS:
+            errors.append(f"rollout.importance_level={self.importance_level!r} must be one of "
+                          f"{IMPORTANCE_LEVELS}")
+        if self.importance_mode not in IMPORTANCE_MODES:
+            errors.append(f"rollout.importance_mode={self.importance_mode!r} must be one of "
+                          f"{IMPORTANCE_MODES}")
+        if self.importance_mode == "mask" and not 0 <= self.importance_floor < \
+                self.importance_cap:
+            errors.append(f"rollout.importance_floor={self.importance_floor} must be in [0, "
+                          f"importance_cap={self.importance_cap}) with importance_mode=mask")
         return errors
+
+
+@dataclass(frozen=True)
+class ImportanceCorrection:
+    """The off-policy correction the actor's loss applies (from the rollout.importance_*
+    fields; see there)."""
+
+    cap: float = 0.0
+    floor: float = 0.0
+    level: str = "token"
+    mode: str = "truncate"
+
+    @property
+    def enabled(self) -> bool:
+        return self.cap > 0
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from mcore_rl.training import make_trainable
 from .data import TrainingData
 from .weight_sync import WeightSync
 
+
 @dataclass
 class Roles:
     """The models of one RL job on this rank."""
@@ -59,7 +60,7 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
                               config.actor.max_tokens_per_micro_batch)
     actor = Actor(make_trainable(policy, config.actor.optimizer, precision),
                   config.model.vocab_size, config.actor.micro_batch_size, config.algorithm,
-                  temperature, config.rollout.importance_cap,
+                  temperature, config.rollout.importance_correction(),
                   config.actor.max_tokens_per_micro_batch)
     critic = None
     if config.algorithm.needs_critic:

@@ -80,6 +80,9 @@ class Rollout:
     results: list
     """One RewardResult per completion."""
 
+    version: int = 0
+    """The policy version (updates applied) whose weights generated it."""
+
     @property
     def scores(self) -> list[float]:
         return [result.score for result in self.results]
@@ -109,7 +112,8 @@ def select_groups(rollouts: list[Rollout], kept: list[list[int]]) -> Rollout:
                 results.append(result)
     metrics = {name: sum(r.generation.metrics.get(name, 0) for r in rollouts)
                for name in ("prompts", "truncated_prompts", "generated_tokens", "seconds")}
-    return Rollout(records, token_ids, Generation(completions, prompts, metrics), results)
+    return Rollout(records, token_ids, Generation(completions, prompts, metrics), results,
+                   min(rollout.version for rollout in rollouts))
 
 
 def add_forward_passes(batch: dict, roles) -> None:

@@ -2,8 +2,8 @@
 
     synchronous         generate and score the sampler's next prompts with the current policy
     one step ahead      (rollout.async_rollout) train on the batch generated during the
-                        previous step and generate the next one now; the truncated importance
-                        weight (rollout.importance_cap) corrects for the lag
+                        previous step and generate the next one now; the importance weight
+                        (rollout.importance_*) corrects for the lag
     dynamic sampling    (rollout.dynamic_sampling) DAPO's: keep only groups whose rewards
                         differ, generating more rounds until every data-parallel rank has a
                         full batch of them
@@ -62,7 +62,7 @@ class RolloutScheduler:
         generation = self.generator.generate(token_ids, self._sampling(step, round_index), timer)
         with timer("reward"):
             generation, results = self.scorer.score(generation, records, f"step{step}")
-        return Rollout(records, token_ids, generation, results)
+        return Rollout(records, token_ids, generation, results, version=step)
 
     def greedy_scores(self, rollout: Rollout, step: int) -> torch.Tensor:
         """Score of the greedy response to each prompt (ReMax's baseline)."""

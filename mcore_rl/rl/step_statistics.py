@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from mcore_rl.algorithms.off_policy import importance_weights
+from mcore_rl.config.rl import ImportanceCorrection
 from mcore_rl.observability.step_metrics import SumsAndCounts
 from mcore_rl.rollout.mismatch import add_logprob_mismatch
 
@@ -39,6 +41,24 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
         stats.add("critic/returns_square", returns.square(), response)
         stats.add("critic/error_mean", returns - values, response)
         stats.add("critic/error_square", (returns - values).square(), response)
+
+
+def off_policy_statistics(batch: dict, staleness: int, correction: ImportanceCorrection,
+                          stats: SumsAndCounts) -> None:
+    """How far off-policy the batch is: policy versions between generating and training it, and
+    the importance weights the actor's loss will apply (with their masked fraction)."""
+    rows = batch["input_ids"].shape[0]
+    lag = torch.full((rows,), float(staleness), dtype=torch.float64)
+    stats.add("rollout/staleness_mean", lag)
+    stats.add_max("rollout/staleness_max", lag)
+    if not correction.enabled:
+        return
+    mask = batch["loss_mask"].double()
+    weights, keep = importance_weights(batch["old_logprobs"].double(),
+                                       batch["engine_logprobs"].double(), mask, correction)
+    stats.add("rollout/is_weight_mean", weights, mask * keep)
+    stats.add_max("rollout/is_weight_max", weights[(mask * keep).bool()])
+    stats.add("rollout/is_masked_fraction", 1 - keep, mask)
 
 
 def derived_metrics(metrics: dict) -> dict:

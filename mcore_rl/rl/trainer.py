@@ -48,7 +48,7 @@ from .evaluator import RLEvaluator
 from .experience import add_advantages, add_forward_passes, make_experience, mini_batches
 from .generator import PolicyGenerator
 from .rollout_scheduler import RolloutScheduler
-from .step_statistics import derived_metrics, rollout_statistics
+from .step_statistics import derived_metrics, off_policy_statistics, rollout_statistics
 
 
 class TrainingDiverged(RuntimeError):
@@ -143,6 +143,8 @@ class Trainer:
         with timer("advantages"):
             add_advantages(batch, self.config.algorithm, self.kl_controller, self.dp_group, stats)
         rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats)
+        off_policy_statistics(batch, self.step - rollout.version,
+                              self.config.rollout.importance_correction(), stats)
         self.generator.add_metrics(stats)
         if self.config.trainer.balance_data_parallel:
             with timer("balance"):

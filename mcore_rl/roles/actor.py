@@ -6,6 +6,7 @@ from functools import partial
 
 from mcore_rl.algorithms.objectives import actor_objective
 from mcore_rl.config import AlgorithmConfig
+from mcore_rl.config.rl import ImportanceCorrection
 from mcore_rl.models.weights import local_parameters
 from mcore_rl.training import TrainableModel, compute_outputs, train_step
 
@@ -17,10 +18,10 @@ class Actor:
     """A Megatron policy with its optimizer."""
 
     def __init__(self, trainable: TrainableModel, vocab_size: int, micro_batch_size: int,
-                 algorithm: AlgorithmConfig, temperature: float, importance_cap: float,
-                 max_tokens: int = 0):
+                 algorithm: AlgorithmConfig, temperature: float,
+                 correction: ImportanceCorrection, max_tokens: int = 0):
         """temperature: the rollout temperature (log-probs are of logits / temperature, like the
-        engine's); importance_cap: truncated IS cap (0: off); max_tokens > 0: token-budget
+        engine's); correction: the off-policy correction of the loss; max_tokens > 0: token-budget
         micro-batches instead of `micro_batch_size` rows."""
         self.trainable = trainable
         self.vocab_size = vocab_size
@@ -28,7 +29,7 @@ class Actor:
         self.max_tokens = max_tokens
         self.algorithm = algorithm
         self.temperature = temperature if temperature > 0 else 1.0
-        self.importance_cap = importance_cap
+        self.correction = correction
 
     @property
     def module(self):
@@ -48,8 +49,7 @@ class Actor:
     def update(self, mini_batch: dict) -> dict:
         """One optimizer step on a mini-batch; metrics identical on every rank."""
         inputs = {name: mini_batch[name] for name in ACTOR_INPUTS if name in mini_batch}
-        objective = partial(actor_objective, config=self.algorithm,
-                            importance_cap=self.importance_cap)
+        objective = partial(actor_objective, config=self.algorithm, correction=self.correction)
         metrics = train_step(self.trainable, inputs, self.micro_batch_size, objective, "lm",
                              self.vocab_size, self.temperature, self.max_tokens)
         return role_metrics(metrics, "actor")
