@@ -409,3 +409,28 @@ def test_cli_compare_and_plot(two_runs, tmp_path, capsys, monkeypatch):
     (two_runs[1] / "eval.jsonl").write_text('{"step": 1}\nnot json\n')
     assert main(["plot", str(two_runs[1])]) == 2
     assert "eval.jsonl: line 2: malformed JSON" in capsys.readouterr().err
+
+
+def test_timeline_keeps_the_newest_recording_of_a_step_and_plots_it(tmp_path):
+    """A resumed run records a step again: the reader keeps the newest recording; a torn last
+    line is skipped; the plot is drawn from the last steps."""
+    import json
+
+    from mcore_rl.observability.plots import _timeline_plot
+    from mcore_rl.observability.timeline import TIMELINE_FILE, read_timeline
+
+    def row(step, rank, phase, start, recorded):
+        return json.dumps({"step": step, "rank": rank, "phase": phase, "start": start,
+                           "end": start + 1.0, "recorded": recorded})
+
+    lines = [row(1, 0, "generate", 0.0, 10.0), row(1, 1, "generate", 0.5, 10.0),
+             row(2, 0, "generate", 2.0, 11.0), row(2, 1, "update", 2.5, 11.0),
+             row(2, 0, "update", 7.0, 20.0), row(2, 1, "update", 7.5, 20.0), '{"step": 3']
+    (tmp_path / TIMELINE_FILE).write_text("\n".join(lines))
+    last = read_timeline(tmp_path, last_steps=1)
+    assert [(r["rank"], r["phase"], r["start"]) for r in last] == [(0, "update", 7.0),
+                                                                    (1, "update", 7.5)]
+    assert [r["step"] for r in read_timeline(tmp_path, last_steps=5)] == [1, 1, 2, 2]
+    assert read_timeline(tmp_path / "elsewhere", last_steps=1) == []
+    path = _timeline_plot(read_timeline(tmp_path, last_steps=5), tmp_path / "timeline.png")
+    assert path.read_bytes().startswith(PNG_MAGIC)

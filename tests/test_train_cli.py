@@ -66,7 +66,17 @@ def check_run_files(run_dir, console_rewards):
         assert evaluation["eval/pass@2"] >= evaluation["eval/accuracy"]
         assert 0 < evaluation["eval/distinct_1"] <= evaluation["eval/distinct_2"] <= 1
     # No KL plot: this GRPO configuration has no reference model.
-    assert sorted(os.listdir(run_dir / "plots")) == ["accuracy.png", "reward.png"]
+    assert sorted(os.listdir(run_dir / "plots")) == ["accuracy.png", "reward.png", "timeline.png"]
+    # The timeline holds every rank's phases; rank 0's add up to its logged phase times.
+    from mcore_rl.observability.timeline import read_timeline
+
+    rows = read_timeline(run_dir, last_steps=1)
+    assert {row["step"] for row in rows} == {2} and {row["rank"] for row in rows} == {0}
+    for name, seconds in metrics[-1].items():
+        if name.startswith("time/") and name != "time/step":
+            recorded = sum(row["end"] - row["start"] for row in rows
+                           if row["rank"] == 0 and row["phase"] == name[len("time/"):])
+            assert recorded == pytest.approx(seconds, abs=0.01), name
     assert main(["compare", str(run_dir), "--output", str(run_dir / "compare.png")]) == 0
     assert (run_dir / "compare.png").stat().st_size > 0
 

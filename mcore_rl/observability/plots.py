@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Sequence
 
 from .run_files import PLOTS_DIR, Run, load_run
+from .timeline import read_timeline
+
+TIMELINE_STEPS = 3
+"""Steps the timeline plot shows (the run's last)."""
 
 
 def _figure(columns: int = 1):
@@ -101,15 +105,48 @@ def _kl_plot(run: Run, path: Path) -> Path:
 
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:
-    """Write RUN_DIR/plots/reward.png, accuracy.png and, when a reference model logged the KL,
-    kl.png; return the paths written. Call on one rank (rank 0)."""
+    """Write RUN_DIR/plots/reward.png, accuracy.png, kl.png when a reference model logged the
+    KL, and timeline.png when the run recorded its phases; return the paths written. Call on
+    one rank (rank 0)."""
     run = load_run(run_dir)
     folder = run.directory / PLOTS_DIR
     written = [_reward_plot(run, folder / "reward.png"),
                _accuracy_plot(run, folder / "accuracy.png")]
     if run.has("actor/kl_to_reference") or run.has("eval/kl_to_reference"):
         written.append(_kl_plot(run, folder / "kl.png"))
+    intervals = read_timeline(run.directory, TIMELINE_STEPS)
+    if intervals:
+        written.append(_timeline_plot(intervals, folder / "timeline.png"))
     return written
+
+
+def _timeline_plot(intervals: list[dict], path: Path) -> Path:
+    """One row per rank, a bar per phase, seconds from the first phase shown; dotted lines where
+    a step's first phase starts. Gaps are time in no phase (waiting for other ranks)."""
+    from matplotlib.patches import Patch
+
+    figure, (axes,) = _figure()
+    ranks = sorted({row["rank"] for row in intervals})
+    figure.set_size_inches(12.8, 1.5 + 0.4 * len(ranks))
+    origin = min(row["start"] for row in intervals)
+    phases = sorted({row["phase"] for row in intervals})
+    colors = {phase: f"C{index % 10}" for index, phase in enumerate(phases)}
+    for row in intervals:
+        axes.broken_barh([(row["start"] - origin, row["end"] - row["start"])],
+                         (row["rank"] - 0.4, 0.8), color=colors[row["phase"]])
+    for step in sorted({row["step"] for row in intervals}):
+        begin = min(row["start"] for row in intervals if row["step"] == step) - origin
+        axes.axvline(begin, color="grey", linestyle=":", linewidth=0.8)
+        axes.annotate(f"step {step}", (begin, 1.0), xycoords=("data", "axes fraction"),
+                      fontsize=8, va="bottom")
+    axes.set_yticks(ranks, [f"rank {rank}" for rank in ranks])
+    axes.invert_yaxis()
+    axes.set_xlabel("seconds")
+    axes.legend(handles=[Patch(color=colors[phase], label=phase) for phase in phases],
+                loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    axes.set_title(f"phases per rank, last {len({row['step'] for row in intervals})} steps",
+                   pad=14)
+    return save_png_atomically(figure, path)
 
 
 def plot_comparison(runs: Sequence[Run], output: str | os.PathLike) -> Path:

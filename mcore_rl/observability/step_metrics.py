@@ -22,18 +22,22 @@ from mcore_rl.runtime.devices import collective_device
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase of one step (`with timer("generate"): ...`)."""
+    """Wall-clock seconds per named phase of one step (`with timer("generate"): ...`), and when
+    each phase ran (for the run's timeline)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.intervals: list[tuple[str, float, float]] = []
+        """(phase, start, end) in Unix seconds, comparable between the ranks of a job."""
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
         try:
             yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            self.intervals.append((phase, wall_start, time.time()))
 
     def metrics(self) -> dict[str, float]:
         return {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}

@@ -32,6 +32,7 @@ from mcore_rl.evaluation import Evaluator
 from mcore_rl.observability import METRICS_FILE, refuse_earlier_run
 from mcore_rl.observability.step_metrics import (MetricsLogger, PhaseTimer, SumsAndCounts,
                                                  peak_memory_metrics)
+from mcore_rl.observability.timeline import Timeline
 from mcore_rl.roles import Scorer
 from mcore_rl.runtime import initialize, print0, shutdown
 from mcore_rl.runtime.launch_env import LaunchEnv, read_launch_env
@@ -119,6 +120,7 @@ class Trainer:
         self.step = 0
         self.bad_steps = 0
         self.logger = MetricsLogger.for_job(config)
+        self.timeline = Timeline(config.runtime.output_dir)
         if dist.get_rank() == 0:
             _write_atomically(os.path.join(config.runtime.output_dir, "config.yaml"),
                               to_yaml(config))
@@ -181,10 +183,12 @@ class Trainer:
 
     def train_step(self) -> dict:
         """collect_data + update_policy on the sampler's next batch, then log and save."""
-        metrics = self.update_policy(self.collect_data())
+        experience = self.collect_data()
+        metrics = self.update_policy(experience)
         self.step += 1
         self._track_bad_steps(metrics)
         self.logger.log(self.step, metrics)
+        self.timeline.record(self.step, experience.timer.intervals)
         if self._save_due():
             self.save()
         export_every = self.config.trainer.export_hf_every
@@ -301,6 +305,7 @@ class Trainer:
         """Stop reward workers and TensorBoard, and leave the process group."""
         self.scorer.close()
         self.logger.close()
+        self.timeline.close()
         self.generator.engine.close()
         shutdown()
 
