@@ -25,6 +25,7 @@ from .resharding.dry_run import Links
 from .models.transformer_config import DTYPES
 from .resharding.layouts import ENGINES
 from .runtime.log import quiet_known_warnings
+from .runtime.process_guard import exit_with_launcher
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,6 +116,7 @@ def _convert(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    exit_with_launcher()
     quiet_known_warnings()
     try:
         if args.command == "convert":

@@ -111,3 +111,37 @@ def test_rerun_over_an_earlier_run_without_checkpoint_is_refused(tmp_path):
     assert (f"runtime.output_dir={tmp_path} holds an earlier run ({tmp_path}/metrics.jsonl) and "
             "no checkpoint to resume from") in done.stderr, done.stderr[-3000:]
     assert not (tmp_path / "config.yaml").exists()
+
+
+def test_killing_torchrun_ends_every_rank_and_their_children(tmp_path):
+    """torchrun gives each rank a session of its own: `kill -9` of torchrun's process group must
+    still end the ranks (runtime.process_guard) and their reward workers (rewards.sandbox)."""
+    import signal
+    import time
+
+    import psutil
+
+    env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="2", MASTER_PORT="29566")
+    log = open(tmp_path / "job.log", "w")
+    launcher = subprocess.Popen(
+        [os.path.join(REPO, "scripts", "torchrun.sh"), "train", "--config",
+         "configs/grpo_toy.yaml", "rollout.engine=megatron", "trainer.total_steps=100000",
+         "trainer.save_every=0", "trainer.eval_every=0", f"runtime.output_dir={tmp_path}"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "step 2:" not in (tmp_path / "job.log").read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.5)
+        job = psutil.Process(launcher.pid).children(recursive=True)
+        ranks = [p for p in job if "mcore_rl" in " ".join(p.cmdline())]
+        assert len(ranks) == 2 and len(job) > len(ranks)  # ranks and their workers
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+    _, alive = psutil.wait_procs(job, timeout=30)
+    survivors = [" ".join(p.cmdline())[:120] for p in alive]
+    for process in alive:  # a failing run must not leave them training
+        process.kill()
+    assert survivors == []
