@@ -67,3 +67,11 @@ def marks_then_spins(data_source, solution_str, ground_truth, extra_info):
         marker.write(str(os.getpid()))
     while True:
         pass
+
+
+def copies_the_prompts_digit(data_source, solution_str, ground_truth, extra_info):
+    """The toy task scored from the prompt alone (no ground truth), as a user of
+    `collect_data(prompts)` writes it: the fraction of the response's words that are the
+    prompt's last word."""
+    words, target = solution_str.split(), extra_info["prompt"].split()[-1]
+    return sum(word == target for word in words) / len(words) if words else 0.0

@@ -237,3 +237,24 @@ def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
     if dist.get_rank() == 0:
         torch.save(everyone, out_path)
     trainer.close()
+
+
+def seed_python_loop(out_path: str, overrides: list[str], steps: int) -> None:
+    """Seed 000's loop as a newcomer writes it: make_trainer_config, a Trainer with a reward_fn
+    that reads the prompt, plain-text prompts to collect_data, update_policy; rank 0 saves each
+    step's mean reward."""
+    from mcore_rl import Trainer, make_trainer_config
+    from mcore_rl.data import toy_copy_records
+    from reward_functions import copies_the_prompts_digit
+
+    config = make_trainer_config("grpo", config_file=TOY_CONFIG, overrides=overrides)
+    trainer = Trainer(config, reward_fn=copies_the_prompts_digit)
+    prompts = [record.prompt for record in toy_copy_records(16 * steps, seed=7)]
+    rewards = []
+    for step in range(steps):
+        data = trainer.collect_data(prompts[16 * step:16 * (step + 1)])
+        results = trainer.update_policy(data)
+        rewards.append(results["reward"])
+    if dist.get_rank() == 0:
+        torch.save(rewards, out_path)
+    trainer.close()

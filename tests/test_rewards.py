@@ -426,3 +426,32 @@ def test_config_is_omegaconf_structured_and_validated():
         assert field_name in errors
     with pytest.raises(ValueError, match="reward.format_weight"):
         RuleRewards(RewardConfig(format_weight=2.0))
+
+
+def test_reward_functions_see_the_prompt_and_user_prompts_become_records(tmp_path):
+    """Every reward call gets its prompt as extra_info["prompt"] (a data row's own value wins);
+    collect_data's prompts may be texts, chat messages or verl-shaped dicts."""
+    from transformers import AutoTokenizer
+
+    from mcore_rl.data import PromptRecord, write_toy_tokenizer
+    from mcore_rl.rl.data import as_record
+    from mcore_rl.roles import RuleReward
+    from mcore_rl.rollout import Completion, Generation
+
+    tokenizer = AutoTokenizer.from_pretrained(write_toy_tokenizer(str(tmp_path / "tokenizer")))
+    records = [as_record("copy 7", 0),
+               as_record({"prompt": "copy 3", "ground_truth": "3", "data_source": "toy/copy",
+                          "extra_info": {"prompt": "the row's own"}}, 1)]
+    assert records[0] == PromptRecord(index=0, prompt="copy 7", data_source="custom",
+                                      ground_truth=None, extra_info={})
+    assert records[1].ground_truth == "3" and records[1].data_source == "toy/copy"
+    with pytest.raises(ValueError, match="prompt 2: a dict needs 'prompt' and may have"):
+        as_record({"question": "copy 1"}, 2)
+    seven = tokenizer.convert_tokens_to_ids("7")
+    generation = Generation([Completion(0, 0, [seven], [-0.1], "stop"),
+                             Completion(1, 0, [seven], [-0.1], "stop")],
+                            [[1], [1]], {})
+    with RuleRewards(RewardConfig(num_workers=0),
+                     reward_fn=reward_functions.copies_the_prompts_digit) as rewards:
+        results = RuleReward(rewards, tokenizer).score(generation, records, "test")
+    assert [result.score for result in results] == [1.0, 0.0]  # "the row's own" ends in "own"

@@ -61,21 +61,42 @@ class TrainingData:
                 [self.validation_token_ids[i] for i in picked])
 
     def encode_global(self, prompts: list) -> tuple[list[PromptRecord], list[list[int]]]:
-        """This rank's contiguous share of a global prompt list (texts or PromptRecords)."""
+        """This rank's contiguous share of a global prompt list (see `as_record` for what an
+        item may be)."""
         if len(prompts) % self.dp_size:
             raise ValueError(f"{len(prompts)} prompts cannot be shared by {self.dp_size} "
                              "data-parallel ranks")
         share = len(prompts) // self.dp_size
-        mine = prompts[self.dp_rank * share:(self.dp_rank + 1) * share]
-        records = [item if isinstance(item, PromptRecord) else
-                   PromptRecord(index=self.dp_rank * share + i, prompt=item,
-                                data_source="custom", ground_truth=None, extra_info={})
-                   for i, item in enumerate(mine)]
+        first = self.dp_rank * share
+        records = [as_record(item, first + i)
+                   for i, item in enumerate(prompts[first:first + share])]
         encoded = encode_prompts(records, self.tokenizer, self.max_prompt_tokens, "auto")
         if encoded.dropped_too_long:
             raise ValueError(f"{encoded.dropped_too_long} of the given prompts are longer than "
                              f"data.max_prompt_tokens={self.max_prompt_tokens}")
         return encoded.records, encoded.token_ids
+
+
+RECORD_KEYS = ("prompt", "ground_truth", "data_source", "extra_info")
+
+
+def as_record(item, index: int) -> PromptRecord:
+    """A prompt handed to `Trainer.collect_data` as a record: a PromptRecord as it is; a text or
+    a list of chat messages (data_source "custom", no ground truth); or a dict shaped like a
+    verl data row, {"prompt": ..., "ground_truth": ..., "data_source": ..., "extra_info": ...}
+    (all but "prompt" optional)."""
+    if isinstance(item, PromptRecord):
+        return item
+    if not isinstance(item, dict):
+        return PromptRecord(index=index, prompt=item, data_source="custom", ground_truth=None,
+                            extra_info={})
+    if "prompt" not in item or set(item) - set(RECORD_KEYS):
+        raise ValueError(f"prompt {index}: a dict needs 'prompt' and may have "
+                         f"{', '.join(RECORD_KEYS[1:])}; it has {sorted(item)}")
+    return PromptRecord(index=index, prompt=item["prompt"],
+                        data_source=item.get("data_source", "custom"),
+                        ground_truth=item.get("ground_truth"),
+                        extra_info=dict(item.get("extra_info") or {}))
 
 
 def _encoded(config: JobConfig, split: str, tokenizer):

@@ -155,7 +155,8 @@ class Trainer:
 
     def update_policy(self, experience: Experience) -> dict:
         """PPO epochs over mini-batches for the critic, then the actor; returns the step's
-        metrics (identical on every rank; 'reward' is the mean score)."""
+        metrics (identical on every rank; 'reward' is the mean score). The policy's version
+        (`step`, which seeds the next sampling) advances by one."""
         timer, batch = experience.timer, experience.batch
         updates = SumsAndCounts()
         skipped = False
@@ -179,13 +180,13 @@ class Trainer:
         metrics.update({"time/step": seconds, "reward": metrics["reward/mean"],
                         "throughput/tokens_per_second": metrics["throughput/tokens"] / seconds,
                         "training/update_skipped": float(skipped)})
+        self.step += 1
         return metrics
 
     def train_step(self) -> dict:
         """collect_data + update_policy on the sampler's next batch, then log and save."""
         experience = self.collect_data()
         metrics = self.update_policy(experience)
-        self.step += 1
         self._track_bad_steps(metrics)
         self.logger.log(self.step, metrics)
         self.timeline.record(self.step, experience.timer.intervals)

@@ -1,5 +1,8 @@
 """The reward role for rule-based (verifiable) rewards: decode each response, score it with the
-function registered for its prompt's data_source, in sandboxed worker processes."""
+function registered for its prompt's data_source, in sandboxed worker processes.
+
+A function sees the prompt it scores as extra_info["prompt"] (text or chat messages; a data
+row's own extra_info["prompt"] is kept), so prompt-dependent rewards need no dataset column."""
 
 from __future__ import annotations
 
@@ -24,5 +27,6 @@ class RuleReward:
                 sample_id=f"{sample_prefix}/record{record.index}/sample{completion.sample_index}",
                 data_source=record.data_source,
                 response=self.tokenizer.decode(completion.token_ids, skip_special_tokens=True),
-                ground_truth=record.ground_truth, extra_info=record.extra_info))
+                ground_truth=record.ground_truth,
+                extra_info={"prompt": record.prompt, **record.extra_info}))
         return self.rewards.score(requests)
