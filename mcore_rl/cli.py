@@ -24,6 +24,7 @@ from .config import ConfigError, load_config
 from .resharding.dry_run import Links
 from .models.transformer_config import DTYPES
 from .resharding.layouts import ENGINES
+from .runtime.launch_env import read_launch_env
 from .runtime.log import quiet_known_warnings
 from .runtime.process_guard import exit_with_launcher
 
@@ -143,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
             if trainer.preempted:
                 return PREEMPTED_EXIT_CODE
     except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as error:
-        print(f"mcore-rl: {error}", file=sys.stderr)
+        # A config error, or one all ranks agreed on (runtime.agreement), is the same on every
+        # rank: rank 0 says it. Any other error may be this rank's alone.
+        said_by_rank0 = isinstance(error, ConfigError) or getattr(
+            error, "raised_on_every_rank", False)
+        if read_launch_env().rank == 0 or not said_by_rank0:
+            print(f"mcore-rl: {error}", file=sys.stderr)
         return 2
     return 0
 

@@ -33,6 +33,10 @@ MASTER_PORT=${MASTER_PORT:-29500}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
+# A job the ranks would refuse is reported once, here, before any rank starts.
+"$PYTHON" -m mcore_rl.launch_check --as torchrun.sh "$((NNODES * NPROC_PER_NODE))" "$NNODES" \
+  "$NPROC_PER_NODE" "$@" || exit 2
+
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of flags
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \

@@ -27,7 +27,7 @@ LAYERS = (
     ("rollout",),
     ("roles",),
     ("rl", "sft", "smoke"),
-    ("cli", "quickstart"),
+    ("cli", "quickstart", "launch_check"),
     ("__main__",),
 )
 """Lowest first. Every package and top-level module of mcore_rl appears exactly once."""

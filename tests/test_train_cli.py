@@ -145,3 +145,15 @@ def test_killing_torchrun_ends_every_rank_and_their_children(tmp_path):
     for process in alive:  # a failing run must not leave them training
         process.kill()
     assert survivors == []
+
+
+def test_a_bad_key_is_reported_once_before_any_rank_starts():
+    """torchrun.sh checks the job first (mcore_rl.launch_check): one line naming the key, no
+    rank started, no launcher traceback."""
+    env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="2", MASTER_PORT="29567")
+    done = subprocess.run([os.path.join(REPO, "scripts", "torchrun.sh"), "train", "--config",
+                           "configs/grpo_toy.yaml", "trainer.total_stepz=2"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.count("Key 'total_stepz' not in 'TrainerConfig'") == 1, done.stderr
+    assert done.stderr.startswith("torchrun.sh: error: ") and "Traceback" not in done.stderr

@@ -3,7 +3,8 @@
 A rank that raises alone leaves its peers blocked in the next collective until the timeout. Code
 that checks inputs or starts an engine therefore collects its problems as strings, calls
 `raise_on_any_rank`, and either every rank continues or every rank raises the same message,
-naming the ranks that found each problem.
+naming the ranks that found each problem. The exception carries `raised_on_every_rank = True`,
+so one rank can report it for all.
 """
 
 from __future__ import annotations
@@ -24,4 +25,6 @@ def raise_on_any_rank(problems: list[str], error_type: type[Exception], prefix: 
     messages = [f"rank {rank}: {problem}" for rank, rank_problems in zip(ranks, everyone)
                 for problem in rank_problems]
     if messages:
-        raise error_type(prefix + "; ".join(messages))
+        error = error_type(prefix + "; ".join(messages))
+        error.raised_on_every_rank = True
+        raise error

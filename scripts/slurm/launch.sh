@@ -77,38 +77,15 @@ check=("$PYTHON")
 if [ "${CHECK_IN_STEP:-0}" = 1 ] || [[ "${SRUN_ARGS:-}" == *--container-image* ]]; then
   check=(srun --nodes=1 --ntasks=1 ${SRUN_ARGS:-} "$PYTHON")
 fi
-"${check[@]}" - "$COMMAND" "$CONFIG" "$WORLD" "$NNODES" "$RANKS_PER_NODE" "$@" <<'PY' || exit 2
-import sys
-
-command, path, world, nodes, per_node, *overrides = sys.argv[1:]
-world, nodes, per_node = int(world), int(nodes), int(per_node)
-try:
-    from mcore_rl.config import ConfigError, load_config, validate, validate_rl
-    from mcore_rl.conversion.model_source import with_model_from_init
-except ImportError as error:
-    sys.exit(f"launch.sh: error: {sys.executable} cannot import mcore_rl ({error}): set PYTHON, "
-             "or CHECK_IN_STEP=1 when mcore_rl is installed only where the ranks run")
-
-try:
-    config = with_model_from_init(load_config(path, overrides))
-    parallel = config.parallel
-    names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
-    sizes = {name: getattr(parallel, name, 1) for name in names}
-    model_parallel = sizes[names[0]] * sizes[names[1]] * sizes[names[2]]
-    if model_parallel < 1 or world % model_parallel:
-        sys.exit(f"launch.sh: error: {nodes} node(s) x {per_node} rank(s) per node = world size "
-                 f"{world}, which must be divisible by tensor_model_parallel_size "
-                 f"{sizes[names[0]]} x pipeline_model_parallel_size {sizes[names[1]]} x "
-                 f"context_parallel_size {sizes[names[2]]} = {model_parallel} "
-                 f"(from {path} and the overrides)")
-    if command == "train":
-        from mcore_rl.algorithms import unregistered_names
-        validate_rl(config, world, unregistered_names(config.algorithm))
-    else:
-        validate(config, world)
-except (ConfigError, ValueError, FileNotFoundError) as error:  # what `mcore-rl` reports too
-    sys.exit(f"launch.sh: error: {error}")
-PY
+"${check[@]}" -m mcore_rl.launch_check --as launch.sh "$WORLD" "$NNODES" "$RANKS_PER_NODE" \
+  "$COMMAND" --config "$CONFIG" "$@"
+status=$?
+if [ "$status" -ne 0 ]; then
+  [ "$status" -eq 2 ] || echo "launch.sh: error: $PYTHON cannot run mcore_rl.launch_check (exit" \
+    "status $status): set PYTHON, or CHECK_IN_STEP=1 when mcore_rl is installed only where the" \
+    "ranks run" >&2
+  exit 2
+fi
 
 # --- rendezvous ----------------------------------------------------------------------------
 FIRST_NODE=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}" 2>/dev/null | head -n 1)

@@ -1,0 +1,73 @@
+"""The check a launcher runs before it starts any rank.
+
+    python -m mcore_rl.launch_check [--as NAME] WORLD NODES RANKS_PER_NODE COMMAND [--config FILE] [key=value ...]
+
+torchrun and srun start one process per rank, so a job the ranks themselves refuse prints its
+error once per rank, followed by the launcher's own traceback. scripts/torchrun.sh and
+scripts/slurm/launch.sh run this first instead: the config and overrides are loaded, the model
+read from its init checkpoint and every rule of COMMAND (train, sft, smoke) checked against the
+world the launcher is about to start. A broken rule is printed once, as `NAME: error: ...`, and
+the exit status is 2; nothing starts. Commands that start no world pass unchecked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, JobConfig, load_config, validate, validate_rl, validate_sft
+from .conversion.model_source import with_model_from_init
+
+CHECKED_COMMANDS = ("train", "sft", "smoke")
+
+
+def check_job(command: str, config_path: str | None, overrides: list[str], world: int,
+              nodes: int, ranks_per_node: int) -> JobConfig:
+    """The validated config of `mcore-rl COMMAND` on `world` ranks; ConfigError (or ValueError,
+    FileNotFoundError) naming the rule otherwise."""
+    config = with_model_from_init(load_config(config_path, overrides))
+    parallel = config.parallel
+    model_parallel = (parallel.tensor_model_parallel_size
+                      * parallel.pipeline_model_parallel_size * parallel.context_parallel_size)
+    if model_parallel < 1 or world % model_parallel:
+        raise ConfigError(
+            f"{nodes} node(s) x {ranks_per_node} rank(s) per node = world size {world}, which "
+            f"must be divisible by tensor_model_parallel_size "
+            f"{parallel.tensor_model_parallel_size} x pipeline_model_parallel_size "
+            f"{parallel.pipeline_model_parallel_size} x context_parallel_size "
+            f"{parallel.context_parallel_size} = {model_parallel} (from "
+            f"{config_path or 'the defaults'} and the overrides)")
+    if command == "train":
+        from .algorithms import unregistered_names
+        return validate_rl(config, world, unregistered_names(config.algorithm))
+    if command == "sft":
+        return validate_sft(config, world)
+    return validate(config, world)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mcore_rl.launch_check")
+    parser.add_argument("--as", dest="name", default="mcore-rl", help="prefix of the message")
+    for name in ("world", "nodes", "ranks_per_node"):
+        parser.add_argument(name, type=int)
+    parser.add_argument("command")
+    parser.add_argument("--config", default=None)
+    parser.add_argument("overrides", nargs="*")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    if args.command not in CHECKED_COMMANDS:
+        return 0
+    try:
+        check_job(args.command, args.config, args.overrides, args.world, args.nodes,
+                  args.ranks_per_node)
+    except (ConfigError, ValueError, FileNotFoundError) as error:  # what `mcore-rl` reports
+        print(f"{args.name}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
