@@ -47,6 +47,11 @@ def test_train_command_logs_and_checkpoints(tmp_path):
     assert [round(value, 4) for _, value in logged] == [round(float(v), 4) for _, v in steps]
     assert os.path.isfile(tmp_path / "config.yaml")
     assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]
+    # vLLM's own records went to the rank's log file, not to the console.
+    console = done.stdout + done.stderr
+    assert " INFO " not in console and "[cpu_worker.py" not in console, console[-3000:]
+    assert "Failed to load weights" not in console
+    assert " INFO vllm" in (tmp_path / "logs" / "rank_00000.log").read_text()
     check_run_files(tmp_path, [float(value) for _, value in steps])
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..config import JobConfig, validate
 from .devices import cuda_device_index
 from .launch_env import LaunchEnv, read_launch_env
-from .log import quiet_known_warnings
+from .log import quiet_known_warnings, send_library_logs_to_file
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,10 @@ def initialize(config: JobConfig, launch: LaunchEnv | None = None) -> Runtime:
     quiet_known_warnings()
     launch = launch or read_launch_env()
     validate(config, launch.world_size)
+    log_file = send_library_logs_to_file(config.runtime.output_dir, launch.rank)
+    if log_file and launch.rank == 0:
+        print(f"library logs (vLLM, Megatron, transformers): {os.path.dirname(log_file)}/ "
+              f"(MCORE_RL_LIBRARY_LOGS=console shows them here)", flush=True)
     runtime = start_process_group(config.runtime.backend,
                                   config.runtime.collective_timeout_minutes, launch)
     _initialize_megatron(config)

@@ -1,7 +1,16 @@
-"""Console output for SPMD jobs: rank-0 printing and silencing warnings every rank repeats."""
+"""Console output for SPMD jobs: rank-0 printing, silencing warnings every rank repeats, and
+the libraries' own logs (vLLM, Megatron, transformers) sent to per-rank files.
+
+A job's console is for its user: phases, per-step metrics, progress, errors. vLLM alone logs
+hundreds of INFO lines per run (and warnings about CPU thread binding and tcmalloc that need no
+action here), on every rank. Those records go to RUN_DIR/logs/rank_<N>.log instead; errors
+still reach the console. MCORE_RL_LIBRARY_LOGS=console keeps everything on the console.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import resource
 import warnings
 
@@ -27,6 +36,37 @@ def quiet_known_warnings() -> None:
     """Hide the harmless warnings listed in KNOWN_WARNINGS (idempotent)."""
     for text in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{text}.*")
+
+
+LIBRARY_LOGGERS = ("vllm", "megatron", "transformers", "urllib3", "filelock")
+"""Third-party loggers whose records go to the per-rank log file (torch's own are governed by
+TORCH_LOGS and stay as they are)."""
+
+LIBRARY_LOGS_ENV = "MCORE_RL_LIBRARY_LOGS"
+"""Set to `console` to leave the libraries' logs on the console."""
+
+LOGS_DIR = "logs"
+
+
+def send_library_logs_to_file(output_dir: str, rank: int) -> str | None:
+    """Route LIBRARY_LOGGERS (INFO and up) into output_dir/logs/rank_<rank>.log, ERROR and up
+    also to the console; returns the file's path (None with MCORE_RL_LIBRARY_LOGS=console).
+    Call before vLLM is imported: it would install a console handler of its own."""
+    if os.environ.get(LIBRARY_LOGS_ENV, "").lower() == "console":
+        return None
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+    path = os.path.join(output_dir, LOGS_DIR, f"rank_{rank:05d}.log")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    to_file = logging.FileHandler(path, encoding="utf-8")
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    to_console = logging.StreamHandler()
+    to_console.setLevel(logging.ERROR)
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [to_file, to_console]
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
+    return path
 
 
 def is_rank0() -> bool:
