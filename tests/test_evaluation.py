@@ -434,3 +434,16 @@ def test_timeline_keeps_the_newest_recording_of_a_step_and_plots_it(tmp_path):
     assert read_timeline(tmp_path / "elsewhere", last_steps=1) == []
     path = _timeline_plot(read_timeline(tmp_path, last_steps=5), tmp_path / "timeline.png")
     assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_console_shows_every_nth_step_and_files_keep_all(tmp_path, capsys):
+    from mcore_rl.observability.step_metrics import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path), tensorboard=False, console_every=2)
+    for step in range(1, 6):
+        logger.log(step, {"reward/mean": step / 10})
+    logger.log(5, {"eval/accuracy": 0.5}, prefix="eval")
+    logger.close()
+    printed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
+    assert printed == ["step 1", "step 2", "step 4", "eval 5"]
+    assert [row["step"] for row in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]

@@ -130,6 +130,8 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
         errors.append("set at most one of init.hf_path and init.checkpoint")
     if config.smoke.steps < 1:
         errors.append(f"smoke.steps={config.smoke.steps} must be >= 1")
+    if config.trainer.console_every < 1:
+        errors.append(f"trainer.console_every={config.trainer.console_every} must be >= 1")
     if errors:
         raise ConfigError("invalid configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))

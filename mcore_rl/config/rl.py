@@ -246,6 +246,10 @@ class TrainerConfig:
     tensorboard: bool = True
     """Write metrics to output_dir/tensorboard (rank 0)."""
 
+    console_every: int = 1
+    """Print the first step's line and every this-many-th on the console (RL and SFT; the
+    metrics files, TensorBoard and W&B get every step; evaluations are always printed)."""
+
     wandb_project: Optional[str] = None
     """Weights & Biases project: when set, rank 0 also logs every step and evaluation metric
     there, with the job's config (runs go under output_dir/wandb). Needs `pip install wandb`

@@ -122,9 +122,12 @@ class MetricsLogger:
                "response/length_mean", "time/step", "throughput/tokens_per_second")
 
     def __init__(self, output_dir: str, tensorboard: bool, wandb_project: str | None = None,
-                 wandb_run_name: str | None = None, run_config: dict | None = None):
-        """run_config: the job's config as a dict, recorded with the W&B run."""
+                 wandb_run_name: str | None = None, run_config: dict | None = None,
+                 console_every: int = 1):
+        """run_config: the job's config as a dict, recorded with the W&B run; console_every:
+        print step 1's line and every console_every-th (evaluations always)."""
         self.active = not dist.is_initialized() or dist.get_rank() == 0
+        self.console_every = console_every
         self.writer = None
         self.wandb_run = None
         self.jsonl = {}
@@ -142,19 +145,21 @@ class MetricsLogger:
     @classmethod
     def for_job(cls, config) -> "MetricsLogger":
         """The logger a JobConfig asks for (runtime.output_dir, trainer.tensorboard,
-        trainer.wandb_project / wandb_run_name, the config itself recorded with the W&B run)."""
+        trainer.wandb_project / wandb_run_name, the config itself recorded with the W&B run,
+        trainer.console_every)."""
         trainer = config.trainer
         return cls(config.runtime.output_dir, trainer.tensorboard, trainer.wandb_project,
-                   trainer.wandb_run_name, dataclasses.asdict(config))
+                   trainer.wandb_run_name, dataclasses.asdict(config), trainer.console_every)
 
     def log(self, step: int, metrics: dict[str, float], prefix: str = "step") -> None:
         """prefix: 'step' (training metrics) or 'eval'."""
         if not self.active:
             return
         self.jsonl[prefix].write(step, metrics)
-        names = [name for name in self.CONSOLE if name in metrics] or sorted(metrics)
-        shown = "  ".join(f"{name} {metrics[name]:.4g}" for name in names)
-        print(f"{prefix} {step}: {shown}", flush=True)
+        if prefix == "eval" or step == 1 or step % self.console_every == 0:
+            names = [name for name in self.CONSOLE if name in metrics] or sorted(metrics)
+            shown = "  ".join(f"{name} {metrics[name]:.4g}" for name in names)
+            print(f"{prefix} {step}: {shown}", flush=True)
         if self.writer is not None:
             for name, value in metrics.items():
                 self.writer.add_scalar(name, value, step)
