@@ -26,17 +26,33 @@ def check_job(command: str, config_path: str | None, overrides: list[str], world
     """The validated config of `mcore-rl COMMAND` on `world` ranks; ConfigError (or ValueError,
     FileNotFoundError) naming the rule otherwise."""
     config = with_model_from_init(load_config(config_path, overrides))
+    world_error = _world_error(config, config_path, world, nodes, ranks_per_node)
+    try:
+        checked = _validated(command, config, world)
+    except ConfigError as error:  # the launcher's view of the world first, then every rule
+        raise ConfigError("\n".join(filter(None, (world_error, str(error))))) from error
+    if world_error:
+        raise ConfigError(world_error)
+    return checked
+
+
+def _world_error(config: JobConfig, config_path: str | None, world: int, nodes: int,
+                 ranks_per_node: int) -> str:
+    """The world the launcher starts against the model-parallel size ("" when it fits)."""
     parallel = config.parallel
     model_parallel = (parallel.tensor_model_parallel_size
                       * parallel.pipeline_model_parallel_size * parallel.context_parallel_size)
-    if model_parallel < 1 or world % model_parallel:
-        raise ConfigError(
-            f"{nodes} node(s) x {ranks_per_node} rank(s) per node = world size {world}, which "
+    if model_parallel >= 1 and world % model_parallel == 0:
+        return ""
+    return (f"{nodes} node(s) x {ranks_per_node} rank(s) per node = world size {world}, which "
             f"must be divisible by tensor_model_parallel_size "
             f"{parallel.tensor_model_parallel_size} x pipeline_model_parallel_size "
             f"{parallel.pipeline_model_parallel_size} x context_parallel_size "
             f"{parallel.context_parallel_size} = {model_parallel} (from "
             f"{config_path or 'the defaults'} and the overrides)")
+
+
+def _validated(command: str, config: JobConfig, world: int) -> JobConfig:
     if command == "train":
         from .algorithms import unregistered_names
         return validate_rl(config, world, unregistered_names(config.algorithm))
