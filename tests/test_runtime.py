@@ -35,6 +35,25 @@ def test_srun_variables_and_missing_master_addr():
     assert read_launch_env({}).world_size == 1
 
 
+
+def test_a_single_process_job_does_not_need_port_29500():
+    """Without a launcher a job is a world of one: it must start while another job holds
+    torch's default port (two conversions at once on one machine)."""
+    import socket
+
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    with socket.socket() as other_job:
+        other_job.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other_job.bind(("127.0.0.1", 29500))
+        other_job.listen()
+        done = subprocess.run([sys.executable, "-c", "from mcore_rl.runtime import "
+                               "start_process_group, shutdown; start_process_group('gloo'); "
+                               "shutdown()"], env=env, capture_output=True, text=True,
+                              timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert read_launch_env({"MASTER_PORT": "1234"}).master_port == 1234
+
 def test_gpu_is_chosen_from_the_visible_ones():
     """SLURM's --gpus-per-task=1 leaves each task one visible GPU, numbered 0 whatever its
     SLURM_LOCALID; torchrun's ranks on an 8-GPU node see all 8 and take their local rank's."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -76,4 +77,14 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
         return LaunchEnv(_int(environ, "SLURM_PROCID"), world,
                          _int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
                          addr, port, "slurm", _slurm_tasks_per_node(environ, world))
+    # One process alone: its own store needs no agreed port, and a fixed one would collide with
+    # any other job on the machine (two conversions at once).
+    if "MASTER_PORT" not in environ:
+        port = _free_port(addr)
     return LaunchEnv(0, 1, 0, addr, port, "single", 1)
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((addr, 0))
+        return sock.getsockname()[1]
