@@ -153,11 +153,16 @@ def offload(args, check: Checks) -> dict:
                vocab_size=config.model.vocab_size)  # creates Adam's moments
     parking = HostParking(trainable)
     before = [tensor.detach().cpu().clone() for tensor in parking._kept_tensors()]
-    allocated = _allocated()
     _synchronize()
+    started = time.perf_counter()
+    parking.park()  # the first park also allocates and page-locks the host arena
+    first_park_seconds = time.perf_counter() - started
+    parking.restore()
+    allocated = _allocated()
     started = time.perf_counter()
     freed = parking.park()
     park_seconds = time.perf_counter() - started
+    copied = sum(host.numel() for _, host in parking.kept)  # gradient buffers are not copied
     released = allocated - _allocated()
     started = time.perf_counter()
     parking.restore()
@@ -172,8 +177,10 @@ def offload(args, check: Checks) -> dict:
                          vocab_size=config.model.vocab_size)
     check(math.isfinite(metrics["loss"]), "the step after restoring is finite")
     return {"parked_gib": round(freed / 2 ** 30, 3), "released_gib": round(released / 2 ** 30, 3),
-            "park_gb_per_s": round(freed / park_seconds / 1e9, 2),
-            "restore_gb_per_s": round(freed / restore_seconds / 1e9, 2)}
+            "copied_gib": round(copied / 2 ** 30, 3),
+            "first_park_seconds": round(first_park_seconds, 2),
+            "park_gb_per_s": round(copied / park_seconds / 1e9, 2),
+            "restore_gb_per_s": round(copied / restore_seconds / 1e9, 2)}
 
 
 def parity(args, check: Checks) -> dict:
@@ -422,6 +429,10 @@ def main() -> int:
         traceback.print_exc()
         figures = {"error": f"{type(error).__name__}: {error}"}
         check(False, "the stage ran to the end")
+    else:
+        from mcore_rl.runtime import shutdown
+
+        shutdown()  # the stages that keep their process group (safe after one that did)
     record = {"stage": args.stage, "ok": not check.failed,
               "seconds": round(time.perf_counter() - started, 1), "failed": check.failed,
               **figures}

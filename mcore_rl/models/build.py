@@ -54,6 +54,17 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
     if head == "scalar" and post_process:
         gpt.output_layer = ScalarHead(model.hidden_size, config.params_dtype,
                                       parallel.sequence_parallel, device)
+    _cast_parameters(gpt, config.params_dtype)
     if device is not None:
         gpt.to(device)
     return gpt
+
+
+def _cast_parameters(gpt, dtype: torch.dtype) -> None:
+    """Give every parameter the model's dtype. Megatron's local spec builds its RMSNorms
+    (WrappedTorchNorm) in fp32 whatever `params_dtype` says; in a bf16 model that makes every
+    norm run unfused with mixed dtypes (seen on an H100), unlike Transformer Engine's norms and
+    HF's bf16 models. Buffers (RoPE frequencies) keep their precision."""
+    for parameter in gpt.parameters():
+        if parameter.dtype.is_floating_point and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)

@@ -4,8 +4,8 @@ pip's megatron-core ships no compiled kernels. Megatron's fused masked softmax
 (`scaled_masked_softmax_cuda`, built by NGC containers and Megatron-LM source installs) and
 Transformer Engine's fused RoPE are switched on only when they import; asking Megatron for a
 fusion whose kernel is missing fails at the first forward pass on a GPU. Without Transformer
-Engine or the softmax kernels attention is unfused: it materialises the [s, s] score matrix, so
-its memory grows with the square of the sequence length.
+Engine attention runs through PyTorch's fused SDPA (models/attention.py); the softmax kernels
+matter only for the cases it leaves to Megatron.
 """
 
 from __future__ import annotations
@@ -45,10 +45,6 @@ def announce_missing_kernels() -> None:
 
     if not torch.cuda.is_available():
         return
-    if not transformer_engine_available() and not fused_softmax_available():
-        print0("note: attention runs unfused (neither Transformer Engine nor Megatron's fused "
-               "softmax kernels import): its memory grows with the square of the sequence "
-               "length; install transformer-engine for flash attention")
     if not fused_rope_available():
         print0("note: rotary embeddings run unfused (Transformer Engine's fused RoPE does not "
                "import)")

@@ -1,5 +1,6 @@
 """Transformer-layer spec: Transformer Engine's fused modules when TE imports, Megatron's local
-modules otherwise. Parameter names differ only in the fused norms (see parallel/sharding.py)."""
+modules otherwise (with PyTorch's fused attention, models/attention.py). Parameter names differ
+only in the fused norms (see parallel/sharding.py)."""
 
 from __future__ import annotations
 
@@ -19,4 +20,8 @@ def llama_layer_spec(qk_norm: bool, use_transformer_engine: bool | None = None):
         use_transformer_engine = transformer_engine_available()
     if use_transformer_engine:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    from .attention import SdpaAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec

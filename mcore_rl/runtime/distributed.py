@@ -89,7 +89,8 @@ def start_process_group(backend: str = "auto", timeout_minutes: float = 10.0,
     dist.init_process_group(backend=backend, init_method=f"tcp://{launch.master_addr}:"
                             f"{launch.master_port}", rank=launch.rank,
                             world_size=launch.world_size,
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+                            timeout=datetime.timedelta(minutes=timeout_minutes),
+                            device_id=device if device.type == "cuda" else None)
     return Runtime(launch=launch, backend=backend, device=device)
 
 
