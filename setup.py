@@ -28,9 +28,14 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],
+        "bench": ["locust>=2.40"],  # bench/serve_load.py
         "vllm": ["vllm>=0.32,<0.33"],  # mcore_rl.rollout.vllm_engine.SUPPORTED_VLLM
         "te": ["transformer-engine[pytorch]"],
         "wandb": ["wandb>=0.31,<0.32"],  # trainer.wandb_project
     },
-    entry_points={"console_scripts": ["mcore-rl=mcore_rl.cli:main"]},
+    entry_points={
+        "console_scripts": ["mcore-rl=mcore_rl.cli:main"],
+        # /generate on vLLM's OpenAI server; `mcore-rl serve` allow-lists it in VLLM_PLUGINS.
+        "vllm.endpoint_plugins": ["mcore_rl_generate=mcore_rl.serve.generate_route:GenerateEndpoint"],
+    },
 )

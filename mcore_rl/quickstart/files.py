@@ -64,6 +64,9 @@ def report(directory: str) -> str:
               ("TensorBoard", f"tensorboard --logdir {root}"), ("plots", root / "grpo" / "plots"),
               ("GRPO checkpoints", root / "grpo" / "checkpoints"), ("exported HF model", export)]
     lines += [f"  {name:<40} {place}" for name, place in places if place]
+    if export:
+        lines += ["", "serve the exported model (OpenAI API and POST /generate on 127.0.0.1:8000):",
+                  f"  .venv/bin/mcore-rl serve {export} --dtype float32"]
     return "\n".join(lines)
 
 
