@@ -143,3 +143,56 @@ def run_megatron_sync(model: ModelConfig, out_path: str) -> None:
     if dist.get_rank() == 0:
         torch.save(result, out_path)
     shutdown()
+
+
+def run_split_checks(model: ModelConfig, rollout_ranks: int, cases: list, out: str) -> None:
+    """Split placement: the last `rollout_ranks` ranks form their own world and receive their
+    rollout shards from the trainer ranks over the bridge. Each rank saves its findings to
+    `out.<job rank>` (the two sides share no default world to gather over)."""
+    import datetime
+
+    from mcore_rl.resharding.plan import lower_bound_received
+    from mcore_rl.runtime import read_launch_env
+    from mcore_rl.runtime.worlds import start_split_worlds
+
+    job = read_launch_env()
+    world = start_split_worlds(job, rollout_ranks, "gloo", datetime.timedelta(minutes=2))
+    side_sum = torch.tensor([float(job.rank)])
+    dist.all_reduce(side_sum)  # over this side's default world only
+    found = {"side": world.side, "side_rank": dist.get_rank(),
+             "side_size": dist.get_world_size(), "side_sum": float(side_sum)}
+    full = reference_full_state(model)
+    for training_dims, engine, rollout_tp, bucket_bytes in cases:
+        layout = TrainingLayout(model, *training_dims)
+        rollout = make_rollout_layout(layout, engine, rollout_tp, rollout_ranks=rollout_ranks)
+        plan = build_plan(layout, rollout, torch.float32)
+        local = {}
+        if world.side == "trainer":
+            tp_rank, pp_rank, _ = layout.coordinates(job.rank)
+            local = sharding.shard_full_state(full, model, layout.tp, layout.pp, tp_rank,
+                                              pp_rank)
+        resharder = Resharder(plan, bucket_bytes, transport=world.bridge)
+        delivered = dict(resharder.sync(local))
+        expected = {} if world.side == "trainer" else expected_shards(
+            full, model, engine, rollout_tp, rollout.tp_rank_of[job.rank - layout.world_size])
+        found[f"{training_dims}->{engine}{rollout_tp}"] = {
+            "wrong": _mismatches(delivered, expected), "count": len(delivered),
+            "received": resharder.received_bytes,
+            "lower_bound": int(lower_bound_received(layout, rollout, 4)[job.rank]),
+            "sent": int(plan.traffic().sent[job.rank])}
+    training_dims, engine, rollout_tp, _ = cases[0]
+    layout = TrainingLayout(model, *training_dims)
+    plan = build_plan(layout, make_rollout_layout(layout, engine, rollout_tp,
+                                                  rollout_ranks=rollout_ranks), torch.float32)
+    local = {}
+    if job.rank == 1:
+        local = {"decoder.layers.0.mlp.linear_fc2.weight": torch.zeros(3, 3)}
+    elif world.side == "trainer":
+        tp_rank, pp_rank, _ = layout.coordinates(job.rank)
+        local = sharding.shard_full_state(full, model, layout.tp, layout.pp, tp_rank, pp_rank)
+    try:
+        list(Resharder(plan, transport=world.bridge).sync(local))
+        found["bad_input"] = None
+    except PlanError as error:
+        found["bad_input"] = str(error)
+    torch.save(found, f"{out}.{job.rank}")

@@ -54,7 +54,7 @@ def training_shards(full_state, layout: TrainingLayout) -> dict[int, dict[str, t
 def execute_by_hand(plan, local_states) -> dict[int, dict[str, torch.Tensor]]:
     """Apply every transfer of the plan with plain indexing (no communication)."""
     delivered = {}
-    for rank in range(plan.training.world_size):
+    for rank in plan.rollout.ranks:
         delivered[rank] = {}
         for param in plan.params:
             spec = plan.rollout.wanted(rank)[param.source]
@@ -219,5 +219,49 @@ def test_vllm_vocabulary_rule():
 
 def test_layouts_over_different_worlds_are_refused():
     rollout = make_rollout_layout(TrainingLayout(MODEL, 2, 2, 1), "vllm", 2)
-    with pytest.raises(PlanError, match="covers 4 ranks but the training layout covers 8"):
+    with pytest.raises(PlanError, match="covers 4 ranks from rank 0 but the training layout "
+                                        "covers 8"):
         build_plan(TrainingLayout(MODEL, 2, 2, 2), rollout, torch.float32)
+
+
+# (training tp, pp, dp) -> (engine, rollout tp, rollout ranks) in split placement.
+SPLIT = [((2, 2, 1), ("vllm", 2, 2)), ((2, 1, 2), ("vllm", 1, 2)), ((1, 2, 2), ("vllm", 4, 4)),
+         ((2, 1, 2), ("megatron", 2, 4))]
+
+
+@pytest.mark.parametrize("training_dims,rollout_dims", SPLIT,
+                         ids=[f"tp{t}pp{p}dp{d}-{e}{r}x{n}" for (t, p, d), (e, r, n) in SPLIT])
+def test_split_plan_delivers_whole_shards_to_the_rollout_ranks_with_spread_sends(
+        training_dims, rollout_dims):
+    engine, rollout_tp, rollout_ranks = rollout_dims
+    layout = TrainingLayout(MODEL, *training_dims)
+    rollout = make_rollout_layout(layout, engine, rollout_tp, rollout_ranks=rollout_ranks)
+    assert list(rollout.ranks) == list(range(layout.world_size,
+                                             layout.world_size + rollout_ranks))
+    plan = build_plan(layout, rollout, torch.float32)
+    full = reference_full_state(MODEL)
+    delivered = execute_by_hand(plan, training_shards(full, layout))
+    traffic = plan.traffic()
+    for rank in rollout.ranks:
+        tp_rank = rollout.tp_rank_of[rank - layout.world_size]
+        expected = expected_shards(full, MODEL, engine, rollout_tp, tp_rank)
+        assert delivered[rank].keys() == expected.keys()
+        for name, tensor in delivered[rank].items():
+            assert torch.equal(tensor, expected[name]), f"rank {rank} {name}"
+        # Lower bound: a rollout rank holds nothing, so it receives its whole shard (no padding).
+        real = sum(int((t != 0).sum()) for t in expected.values())
+        assert int(traffic.received[rank]) // 4 == real
+    assert not traffic.received[:layout.world_size].any()
+    assert not traffic.sent[layout.world_size:].any()
+    # Data-parallel replicas hold the same rows: they share the sending within 25%.
+    replicas = {}
+    for rank in range(layout.world_size):
+        replicas.setdefault(layout.coordinates(rank)[:2], []).append(int(traffic.sent[rank]))
+    for sent in replicas.values():
+        assert max(sent) <= 1.25 * min(sent), sent
+
+
+def test_split_rollout_ranks_must_fit_the_rollout_tp():
+    with pytest.raises(PlanError, match="rollout tensor-parallel size 2 must divide the world "
+                                        "size 3"):
+        make_rollout_layout(TrainingLayout(MODEL, 2, 1, 1), "vllm", 2, rollout_ranks=3)

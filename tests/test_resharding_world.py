@@ -1,12 +1,13 @@
 """The resharder in real gloo worlds of 4 and 8 processes: every delivered tensor equals the
 reference layouts bitwise for both delivery forms, the plan is identical on every rank, bad input
 fails on every rank before any byte moves, and with a real Megatron TP2xPP2 model a second sync
-after an optimizer step delivers the new weights."""
+after an optimizer step delivers the new weights. In split placement (trainer ranks apart from
+rollout ranks, two default worlds and a bridge) the same holds across the bridge."""
 
 import pytest
 import torch
 
-from resharding_worker import run_checks, run_megatron_sync
+from resharding_worker import run_checks, run_megatron_sync, run_split_checks
 from test_resharding_plan import MODEL
 from world import run_world
 
@@ -61,3 +62,29 @@ def test_second_sync_after_an_optimizer_step_delivers_the_new_weights(tmp_path):
         assert found["before"] == [] and found["after"] == []
         # every weight has a gradient under the policy loss, so every shard must change
         assert found["changed"] == found["total"] > 0
+
+
+SPLIT_4 = [  # two trainer ranks, then two rollout ranks
+    ((2, 1, 1), "vllm", 2, SMALL_BUCKET),  # TP2 trainers -> one TP2 engine
+    ((1, 1, 2), "vllm", 1, SMALL_BUCKET),  # DP2 trainers -> two engine replicas
+    ((1, 2, 1), "megatron", 2, 1 << 30),
+]
+
+
+def test_split_placement_world_of_4(tmp_path):
+    out = str(tmp_path / "results.pt")
+    run_world(4, run_split_checks, MODEL, 2, SPLIT_4, out)
+    found = [torch.load(f"{out}.{rank}") for rank in range(4)]
+    assert [(f["side"], f["side_rank"], f["side_size"]) for f in found] == [
+        ("trainer", 0, 2), ("trainer", 1, 2), ("rollout", 0, 2), ("rollout", 1, 2)]
+    assert [f["side_sum"] for f in found] == [1.0, 1.0, 5.0, 5.0]  # 0+1 and 2+3: separate worlds
+    for training_dims, engine, rollout_tp, _ in SPLIT_4:
+        per_rank = [f[f"{training_dims}->{engine}{rollout_tp}"] for f in found]
+        assert all(rank["wrong"] == [] for rank in per_rank), per_rank
+        assert [rank["count"] > 0 for rank in per_rank] == [False, False, True, True]
+        # Each rollout rank receives exactly its whole shard (the lower bound), the trainers none.
+        assert [rank["received"] for rank in per_rank] == [rank["lower_bound"]
+                                                           for rank in per_rank]
+        assert per_rank[0]["sent"] > 0 and per_rank[1]["sent"] > 0
+    for f in found:
+        assert f["bad_input"].startswith("resharding refused, nothing was sent: rank 1: "), f

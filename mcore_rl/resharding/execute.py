@@ -6,7 +6,7 @@ The plan says exactly which rows each rank lacks and who sends them, so the chea
 is one message per (sender, receiver) pair per bucket: the sender packs its runs for that
 receiver into one flat buffer, the receiver unpacks them into its rollout shards. No rank ever
 builds a full tensor it does not want (peers all-gather then slice). The same code runs on gloo
-(CPU) and NCCL (GPU): buffers live on the device of the training tensors.
+(CPU) and NCCL (GPU): buffers live on the transport's device (runtime/transport.py).
 
 Memory and overlap
 ------------------
@@ -34,7 +34,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from ..runtime.agreement import raise_on_any_rank
+from ..runtime.transport import Transport, WorldTransport
 from .layouts import DEFAULT_ORDER, TrainingLayout
 from .plan import BucketEntry, ParamPlan, PlanError, ReshardPlan, Transfer
 
@@ -71,16 +71,20 @@ def _run_elements(param: ParamPlan, transfer: Transfer) -> int:
 class Resharder:
     """Delivers this rank's rollout shards from its training shards, following ``plan``."""
 
-    def __init__(self, plan: ReshardPlan, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, plan: ReshardPlan, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 transport: Transport | None = None):
+        """transport: the default world (colocated placement) unless given, e.g. the bridge
+        between trainer and rollout ranks of split placement."""
         if bucket_bytes < 2 * plan.element_size:
             raise ValueError(f"bucket_bytes={bucket_bytes} is too small")
         self.plan = plan
         self.bucket_bytes = bucket_bytes
         """Communication buffers per rank (two half-size buckets in flight)."""
-        self.rank = dist.get_rank()
-        if dist.get_world_size() != plan.training.world_size:
-            raise PlanError(f"the plan covers {plan.training.world_size} ranks but the world has "
-                            f"{dist.get_world_size()}")
+        self.transport = transport or WorldTransport()
+        self.rank = self.transport.rank
+        if self.transport.size != plan.job_world_size:
+            raise PlanError(f"the plan covers {plan.job_world_size} ranks but the transport "
+                            f"connects {self.transport.size}")
         self.held = plan.training.held(self.rank)
         self.wanted = plan.rollout.wanted(self.rank)
         self._full_shapes = {param.source: param.full_shape for param in plan.params}
@@ -134,7 +138,7 @@ class Resharder:
     def _check_inputs(self, local_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical source -> local tensor, after every rank agreed that all inputs are valid."""
         errors, by_source = self._input_errors(local_tensors)
-        raise_on_any_rank(errors, PlanError, "resharding refused, nothing was sent: ")
+        self.transport.agree(errors, PlanError, "resharding refused, nothing was sent: ")
         return by_source
 
     def _input_errors(self, local_tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], dict]:
@@ -160,32 +164,26 @@ class Resharder:
 
     # ----------------------------------------------------------------------------------------
 
-    def _device(self, by_source: Mapping[str, torch.Tensor]) -> torch.device:
-        return next(iter(by_source.values())).device if by_source else torch.device("cpu")
-
     def _post(self, bucket: _Bucket, by_source: Mapping[str, torch.Tensor]) -> list:
-        """Pack and post this rank's sends and receives of ``bucket`` as one batched
-        operation (NCCL deadlocks on two ranks that exchange through separate irecv/isend
-        calls; gloo does not); returns the handles and receive buffers."""
-        device, dtype = self._device(by_source), self.plan.dtype
-        ops, buffers = [], {}
+        """Pack and post this rank's sends and receives of ``bucket`` in one transport round;
+        returns the handles and receive buffers."""
+        device, dtype = self.transport.device, self.plan.dtype
+        buffers, packed = {}, {}
         for src, runs in sorted(bucket.receives.items()):
             buffers[src] = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=dtype,
                                        device=device)
-            ops.append(dist.P2POp(dist.irecv, buffers[src], src, tag=bucket.index))
             self.received_bytes += buffers[src].numel() * buffers[src].element_size()
         for dst, runs in sorted(bucket.sends.items()):
-            packed = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=dtype,
-                                 device=device)
+            packed[dst] = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=dtype,
+                                      device=device)
             offset = 0
             for param, transfer in runs:
                 count = _run_elements(param, transfer)
                 source = by_source[param.source].narrow(param.dim, transfer.src_offset,
                                                         transfer.length)
-                packed[offset:offset + count].view(source.shape).copy_(source)
+                packed[dst][offset:offset + count].view(source.shape).copy_(source)
                 offset += count
-            ops.append(dist.P2POp(dist.isend, packed, dst, tag=bucket.index))
-        return [dist.batch_isend_irecv(ops) if ops else [], buffers]
+        return [self.transport.post(buffers, packed, bucket.index), buffers]
 
     @staticmethod
     def _wait(pending: list) -> dict[int, torch.Tensor]:
@@ -219,7 +217,7 @@ class Resharder:
         spec = self.wanted[param.source]
         shape = spec.shape(param.full_shape)
         out = (torch.zeros if spec.padding else torch.empty)(
-            shape, dtype=self.plan.dtype, device=self._device(by_source))
+            shape, dtype=self.plan.dtype, device=self.transport.device)
         for run in self._local_copies[param.source]:
             out.narrow(param.dim, run.dst_offset, run.length).copy_(
                 by_source[param.source].narrow(param.dim, run.src_offset, run.length))

@@ -288,7 +288,10 @@ class TrainingLayout:
 
     def held(self, rank: int) -> dict[str, ShardSpec]:
         """Canonical source -> the shard this rank's model stage holds (local names). A tied
-        model's last-stage ``output_layer.weight`` copy is keyed by the embedding it copies."""
+        model's last-stage ``output_layer.weight`` copy is keyed by the embedding it copies.
+        Ranks after the training ranks (rollout-only ranks in split placement) hold nothing."""
+        if rank >= self.world_size:
+            return {}
         tp_rank, pp_rank, _ = self.coordinates(rank)
         return _training_held(self.model, self.tp, self.pp, tp_rank, pp_rank)
 
@@ -305,7 +308,8 @@ def _training_held(model: ModelConfig, tp: int, pp: int, tp_rank: int,
 
 @dataclass(frozen=True)
 class RolloutLayout:
-    """A rollout engine's layout: TP x DP over the same ranks as training, no pipeline."""
+    """A rollout engine's layout: TP x DP, no pipeline, over the training ranks (colocated
+    placement) or over the ranks after them (split placement). Ranks are job ranks."""
 
     model: ModelConfig
     """The model being served."""
@@ -320,24 +324,38 @@ class RolloutLayout:
     """Rollout TP rank of every global rank."""
 
     dp_rank_of: tuple[int, ...]
-    """Rollout DP rank (which engine replica) of every global rank."""
+    """Rollout DP rank (which engine replica) of every rank of the layout."""
+
+    first_rank: int = 0
+    """Job rank of the layout's first rank: 0 when colocated, the number of training ranks in
+    split placement (the engine runs on the last ranks of the job)."""
 
     @property
     def world_size(self) -> int:
+        """Ranks that run the engine."""
         return len(self.tp_rank_of)
+
+    @property
+    def ranks(self) -> range:
+        """Job ranks that run the engine."""
+        return range(self.first_rank, self.first_rank + self.world_size)
 
     @property
     def dp(self) -> int:
         return self.world_size // self.tp
 
     def wanted(self, rank: int) -> dict[str, ShardSpec]:
-        """Canonical source -> the shard this rank's engine part needs (engine names)."""
-        return _rollout_wanted(self.model, self.engine, self.tp, self.tp_rank_of[rank])
+        """Canonical source -> the shard job rank ``rank``'s engine part needs (engine names;
+        nothing on a rank that runs no engine)."""
+        if rank not in self.ranks:
+            return {}
+        return _rollout_wanted(self.model, self.engine, self.tp,
+                               self.tp_rank_of[rank - self.first_rank])
 
     def group_ranks(self) -> list[list[int]]:
-        """Global ranks of every rollout TP group, by DP rank, each in TP-rank order."""
+        """Job ranks of every rollout TP group, by DP rank, each in TP-rank order."""
         groups = [[0] * self.tp for _ in range(self.dp)]
-        for rank, (tp_rank, dp_rank) in enumerate(zip(self.tp_rank_of, self.dp_rank_of)):
+        for rank, tp_rank, dp_rank in zip(self.ranks, self.tp_rank_of, self.dp_rank_of):
             groups[dp_rank][tp_rank] = rank
         return groups
 

@@ -33,7 +33,7 @@ import torch
 from mcore_rl.param_layout import sharding
 
 from .layouts import (ENGINES, Interval, RolloutLayout, ShardSpec, TrainingLayout,
-                      consecutive_grouping, rollout_errors)
+                      consecutive_grouping, rollout_errors, split_dim)
 
 
 class PlanError(ValueError):
@@ -111,9 +111,15 @@ class ReshardPlan:
         return {spec.name: spec.shape(full[source])
                 for source, spec in self.rollout.wanted(rank).items()}
 
+    @property
+    def job_world_size(self) -> int:
+        """Ranks the plan spans: the training ranks, and the rollout ranks after them in split
+        placement."""
+        return max(self.training.world_size, self.rollout.ranks.stop)
+
     def traffic(self) -> "Traffic":
         """Bytes each rank receives and sends under this plan."""
-        return traffic_of(self.params, self.training.world_size, self.element_size)
+        return traffic_of(self.params, self.job_world_size, self.element_size)
 
     def buckets(self, bucket_bytes: int) -> list[list["BucketEntry"]]:
         """The transfers in rounds: on every rank, the bytes sent plus received in one round stay
@@ -123,7 +129,7 @@ class ReshardPlan:
         plan, so identical on every rank."""
         element = self.element_size
         buckets: list[list[BucketEntry]] = [[]]
-        load = [0] * self.training.world_size
+        load = [0] * self.job_world_size
         bucket_is_empty = True
         for param in self.params:
             row_bytes = param.row_elements * element
@@ -300,14 +306,14 @@ def _plan_param(training: TrainingLayout, rollout: RolloutLayout, source: str,
     holdings = _holdings(training, source)
     remote, local = [], []
     sent_rows: dict[int, int] = {}
-    for dst in range(rollout.world_size):
+    for dst in rollout.ranks:
         wanted = rollout.wanted(dst)[source]
         for start, stop, offset in wanted.placed_pieces():
             for run in _runs_for_piece((start, stop), offset, holdings, dst, gpus_per_node,
                                        source, sent_rows):
                 (local if run.src == dst else remote).append(run)
     shape = sharding.full_shape(source, training.model)
-    return ParamPlan(source, shape, rollout.wanted(0)[source].dim, tuple(remote), tuple(local))
+    return ParamPlan(source, shape, split_dim(source), tuple(remote), tuple(local))
 
 
 def _geometry_key(training: TrainingLayout, source: str) -> tuple:
@@ -373,17 +379,21 @@ def _planned_grouping(training: TrainingLayout, engine: str, tp: int,
 
 
 def make_rollout_layout(training: TrainingLayout, engine: str, tp: int,
-                        gpus_per_node: int = 8) -> RolloutLayout:
-    """The rollout layout over the training ranks: vLLM's fixed consecutive grouping, or for the
-    other engines the grouping that overlaps the training shards most."""
-    errors = training.errors() + rollout_errors(training.model, engine, tp, training.world_size)
+                        gpus_per_node: int = 8, rollout_ranks: int = 0) -> RolloutLayout:
+    """The rollout layout. Colocated (``rollout_ranks`` 0): over the training ranks, with vLLM's
+    fixed consecutive grouping, or for the other engines the grouping that overlaps the training
+    shards most. Split: over ``rollout_ranks`` ranks after the training ranks, consecutive
+    groups (they hold no training shard to overlap)."""
+    engine_ranks = rollout_ranks or training.world_size
+    errors = training.errors() + rollout_errors(training.model, engine, tp, engine_ranks)
     if errors:
         raise PlanError("cannot reshard: " + "; ".join(errors))
-    if engine == "megatron":
+    if engine == "megatron" and not rollout_ranks:
         tp_rank_of, dp_rank_of = _planned_grouping(training, engine, tp, gpus_per_node)
     else:
-        tp_rank_of, dp_rank_of = consecutive_grouping(training.world_size, tp)
-    return RolloutLayout(training.model, engine, tp, tp_rank_of, dp_rank_of)
+        tp_rank_of, dp_rank_of = consecutive_grouping(engine_ranks, tp)
+    first_rank = training.world_size if rollout_ranks else 0
+    return RolloutLayout(training.model, engine, tp, tp_rank_of, dp_rank_of, first_rank)
 
 
 def build_plan(training: TrainingLayout, rollout: RolloutLayout, dtype: torch.dtype,
@@ -393,9 +403,12 @@ def build_plan(training: TrainingLayout, rollout: RolloutLayout, dtype: torch.dt
     errors = training.errors()
     if rollout.engine not in ENGINES:
         errors.append(f"rollout engine {rollout.engine!r} must be one of {ENGINES}")
-    if rollout.world_size != training.world_size:
-        errors.append(f"the rollout layout covers {rollout.world_size} ranks but the training "
-                      f"layout covers {training.world_size}: both must span the same world")
+    colocated = rollout.first_rank == 0 and rollout.world_size == training.world_size
+    if not colocated and rollout.first_rank != training.world_size:
+        errors.append(f"the rollout layout covers {rollout.world_size} ranks from rank "
+                      f"{rollout.first_rank} but the training layout covers "
+                      f"{training.world_size}: the rollout ranks must be the training ranks "
+                      "(colocated) or the ranks after them (split placement)")
     if rollout.model != training.model:
         errors.append("the rollout layout describes a different model than the training layout")
     if errors:
@@ -416,9 +429,10 @@ def lower_bound_received(training: TrainingLayout, rollout: RolloutLayout,
                          element_size: int) -> np.ndarray:
     """Bytes each rank must receive at least: its rollout shard's real rows it does not hold."""
     cache: dict[tuple, int] = {}
-    lower = np.zeros(training.world_size, np.int64)
-    for rank in range(training.world_size):
-        key = (training.coordinates(rank)[:2], rollout.tp_rank_of[rank])
+    lower = np.zeros(max(training.world_size, rollout.ranks.stop), np.int64)
+    for rank in rollout.ranks:
+        coordinates = training.coordinates(rank)[:2] if rank < training.world_size else None
+        key = (coordinates, rollout.tp_rank_of[rank - rollout.first_rank])
         if key not in cache:
             cache[key] = lacking_elements(training, rollout, rank)
         lower[rank] = cache[key]

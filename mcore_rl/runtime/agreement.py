@@ -22,8 +22,15 @@ def raise_on_any_rank(problems: list[str], error_type: type[Exception], prefix: 
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, list(problems), group=group)
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    messages = [f"rank {rank}: {problem}" for rank, rank_problems in zip(ranks, everyone)
-                for problem in rank_problems]
+    raise_gathered(dict(zip(ranks, everyone)), error_type, prefix)
+
+
+def raise_gathered(problems_by_rank: dict[int, list[str]], error_type: type[Exception],
+                   prefix: str) -> None:
+    """Raise error_type(prefix + every rank's problems), marked as raised on every rank, if
+    any rank has one; every rank must call it with the same gathered problems."""
+    messages = [f"rank {rank}: {problem}" for rank, problems in problems_by_rank.items()
+                for problem in problems]
     if messages:
         error = error_type(prefix + "; ".join(messages))
         error.raised_on_every_rank = True

@@ -1,0 +1,90 @@
+"""Point-to-point transports: how a rank posts the sends and receives of one exchange round.
+
+The resharder's messages go either over the default process group (colocated placement: the
+trainer and the engine share every rank) or over the bridge between the two rank sets of split
+placement (runtime/worlds.py), whose group is not the default world's: torch.distributed's
+module-level calls (`batch_isend_irecv`, `all_gather_object`) refuse a group that was not
+created through it, so the bridge speaks the group object's own API.
+
+A transport also lets the ranks agree on a failure before anything moves (runtime/agreement.py
+over the default world; the rendezvous store over the bridge).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from .agreement import raise_gathered, raise_on_any_rank
+from .devices import collective_device
+
+
+class Transport(Protocol):
+    rank: int
+    """This process's rank among the transport's ranks."""
+
+    size: int
+    """Ranks the transport connects."""
+
+    device: torch.device
+    """Where message buffers must live (the GPU for NCCL, the CPU for gloo)."""
+
+    def post(self, receives: dict[int, torch.Tensor], sends: dict[int, torch.Tensor],
+             tag: int) -> list:
+        """Start receiving into each buffer from its peer and sending each tensor to its peer;
+        returns handles whose `wait()` completes them."""
+
+    def agree(self, problems: list[str], error_type: type[Exception], prefix: str) -> None:
+        """Raise the same error on every rank if any rank found a problem."""
+
+
+class WorldTransport:
+    """The default process group. One batched call per round: NCCL deadlocks on two ranks
+    that exchange through separate irecv/isend calls (gloo does not)."""
+
+    def __init__(self):
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        self.device = collective_device()
+
+    def post(self, receives, sends, tag):
+        ops = [dist.P2POp(dist.irecv, buffer, peer, tag=tag) for peer, buffer in receives.items()]
+        ops += [dist.P2POp(dist.isend, tensor, peer, tag=tag) for peer, tensor in sends.items()]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def agree(self, problems, error_type, prefix):
+        raise_on_any_rank(problems, error_type, prefix)
+
+
+class BridgeTransport:
+    """A process group spanning both rank sets of split placement, used through its own
+    send/recv. In split placement every message goes one way (trainer ranks send, rollout
+    ranks receive), so no two ranks exchange in both directions and separate calls cannot
+    deadlock under NCCL."""
+
+    def __init__(self, group, store: dist.Store):
+        self.group = group
+        self.store = store
+        """The bridge's rendezvous store (a PrefixStore of the job's), for agreement."""
+        self.rank = group.rank()
+        self.size = group.size()
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if group.name().lower() == "nccl" else torch.device("cpu"))
+        self._rounds = 0
+
+    def post(self, receives, sends, tag):
+        handles = [self.group.recv([buffer], peer, tag) for peer, buffer in receives.items()]
+        return handles + [self.group.send([tensor], peer, tag) for peer, tensor in sends.items()]
+
+    def agree(self, problems, error_type, prefix):
+        """Every rank writes its problems under this round's key and reads everyone's (the
+        store's timeout bounds the wait for a rank that never arrives)."""
+        self._rounds += 1
+        keys = [f"agree/{self._rounds}/{rank}" for rank in range(self.size)]
+        self.store.set(keys[self.rank], json.dumps(problems))
+        self.store.wait(keys)
+        raise_gathered({rank: json.loads(self.store.get(key)) for rank, key in enumerate(keys)},
+                       error_type, prefix)
