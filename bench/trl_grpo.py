@@ -64,6 +64,13 @@ sys.path.insert(0, REPO)
 TRL_PYTHON = os.path.join(REPO, ".venv-trl", "bin", "python")
 OURS_PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 
+VARIANTS = {
+    "ours": {},
+    "ours-engine-logp": {"rollout": {"old_logprobs": "engine"}},
+}
+"""mcore_rl sides: a name and the config sections it changes (`--sides ours,ours-engine-logp`
+measures one change alone, before/after in one run)."""
+
 REGIMES = {
     "learn": {"prompts_per_step": 16, "n": 8, "max_new_tokens": 4},
     "speed": {"prompts_per_step": 2, "n": 8, "max_new_tokens": 64, "lr": 0.0},
@@ -122,7 +129,7 @@ def _free_port() -> int:
 
 
 # -- the two sides -----------------------------------------------------------------------------
-def run_ours(regime: str, seed: int, out_dir: str, args) -> dict:
+def run_ours(regime: str, seed: int, out_dir: str, args, variant: str = "ours") -> dict:
     s = settings(regime, args)
     rows_per_rank = s["prompts_per_step"] // args.ours_ranks * s["n"]
     config = {
@@ -149,6 +156,8 @@ def run_ours(regime: str, seed: int, out_dir: str, args) -> dict:
                     "plots": False},
         "runtime": {"output_dir": out_dir, "seed": seed},
     }
+    for section, values in VARIANTS[variant].items():
+        config[section].update(values)
     config_path = out_dir + ".yaml"
     with open(config_path, "w") as handle:
         json.dump(config, handle, indent=1)  # JSON is YAML
@@ -259,7 +268,6 @@ def _fmt(value, digits=2, suffix="") -> str:
 
 
 def print_tables(records: list, args, parameters: int) -> None:
-    sides = ("trl", "ours")
     names = {"trl": "TRL 1.16", "ours": "mcore_rl"}
     for regime in [r for r in ("learn", "speed") if any(x["regime"] == r for x in records)]:
         s = settings(regime, args)
@@ -276,9 +284,10 @@ def print_tables(records: list, args, parameters: int) -> None:
         header += f"{'run s':>7}{'CPU s':>7}{'load before/after':>19}"
         print(header)
         rows = [x for x in records if x["regime"] == regime]
+        sides = [side for side in ("trl", *VARIANTS) if any(x["side"] == side for x in rows)]
         for record in rows:
             summary = record["summary"]
-            line = (f"{record['round']:<6}{names[record['side']]:<10}"
+            line = (f"{record['round']:<6}{names.get(record['side'], record['side']):<10}"
                     f"{summary['step_median']:>8.3f}{summary['step_p25']:>7.3f}"
                     f"{summary['tokens_per_s']:>10.1f}"
                     f"{summary['tokens_per_step']:>9.1f}{summary['startup']:>10.1f}")
@@ -292,37 +301,41 @@ def print_tables(records: list, args, parameters: int) -> None:
                      f"{record['load'][0]:>10.2f}/{record['load'][1]:.2f}")
             print(line)
         by_side = {side: [x["summary"] for x in rows if x["side"] == side] for side in sides}
-        if not all(by_side.values()):
-            continue
 
         def median(side, key):
             values = [x[key] for x in by_side[side] if x.get(key) is not None]
             return statistics.median(values) if len(values) == len(by_side[side]) else None
 
-        def ratio(key, invert=False):
-            a, b = median("trl", key), median("ours", key)
+        def ratio(baseline, side, key, invert=False):
+            a, b = median(baseline, key), median(side, key)
             if a is None or b is None or not a or not b:
                 return "-"
             return f"{(b / a if invert else a / b):.2f}x"
 
         phase_rows = {side: _median_phases([x for x in rows if x["side"] == side])
                       for side in sides}
-        pooled = phase_rows["trl"]["step"] / phase_rows["ours"]["step"]
-        print(f"TRL / mcore_rl (> 1: mcore_rl faster): step time {pooled:.2f}x (median of "
-              f"all steps 2..N of all rounds; per-round medians {ratio('step_median')}, per-round "
-              f"p25 {ratio('step_p25')}); medians over rounds: generated tokens/s "
-              f"{ratio('tokens_per_s', True)}, start-up {ratio('startup')}, run CPU seconds "
-              f"{ratio('cpu')}" + (
-                  f", train time to acc {ratio('train_to_acc')}, wall time to acc "
-                  f"{ratio('wall_to_acc')}, one evaluation {ratio('eval_s')}"
-                  if regime == "learn" else ""))
+        pairs = [("trl", "ours")] * ("trl" in sides and "ours" in sides) + [
+            ("ours", side) for side in sides if side not in ("trl", "ours") and "ours" in sides]
+        for baseline, side in pairs:
+            pooled = phase_rows[baseline]["step"] / phase_rows[side]["step"]
+            print(f"{names.get(baseline, baseline)} / {names.get(side, side)} (> 1: "
+                  f"{names.get(side, side)} faster): step time {pooled:.2f}x (median of all steps "
+                  f"2..N of all rounds; per-round medians "
+                  f"{ratio(baseline, side, 'step_median')}, per-round p25 "
+                  f"{ratio(baseline, side, 'step_p25')}); medians over rounds: generated "
+                  f"tokens/s {ratio(baseline, side, 'tokens_per_s', True)}, start-up "
+                  f"{ratio(baseline, side, 'startup')}, run CPU seconds "
+                  f"{ratio(baseline, side, 'cpu')}" + (
+                      f", train time to acc {ratio(baseline, side, 'train_to_acc')}, wall time "
+                      f"to acc {ratio(baseline, side, 'wall_to_acc')}, one evaluation "
+                      f"{ratio(baseline, side, 'eval_s')}" if regime == "learn" else ""))
         print("median seconds per step by phase (steps 2..N of all rounds; medians resist "
               "other jobs' load, so the phases need not add up to the step):")
         for side in sides:
             phases = phase_rows[side]
             shown = "  ".join(f"{name} {value:.3f}" for name, value in sorted(
                 phases.items(), key=lambda item: -item[1]) if name != "step")
-            print(f"  {names[side]:<9} step {phases['step']:.3f} = {shown}")
+            print(f"  {names.get(side, side):<9} step {phases['step']:.3f} = {shown}")
 
 
 def _median_phases(records: list) -> dict:
@@ -339,7 +352,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--regimes", default="learn,speed", help="comma list: learn, speed")
-    parser.add_argument("--sides", default="trl,ours", help="comma list: trl, ours")
+    parser.add_argument("--sides", default="trl,ours",
+                        help="comma list: trl and VARIANTS' names (ours, ours-engine-logp)")
     parser.add_argument("--learn-steps", type=int, default=20)
     parser.add_argument("--speed-steps", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=2)
@@ -369,7 +383,11 @@ def main() -> None:
             record["summary"] = summarize(record["result"], saved["args"]["threshold"])
         print_tables(saved["records"], argparse.Namespace(**saved["args"]), saved["parameters"])
         return
-    if not os.path.exists(TRL_PYTHON):
+    sides = args.sides.split(",")
+    unknown = [side for side in sides if side != "trl" and side not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--sides: unknown {unknown}; known: trl, {', '.join(VARIANTS)}")
+    if "trl" in sides and not os.path.exists(TRL_PYTHON):
         raise SystemExit(f"{TRL_PYTHON} not found: run bash bench/setup_trl.sh first")
 
     if os.path.isdir(args.work_dir):
@@ -378,7 +396,6 @@ def main() -> None:
     parameters = write_model(os.path.join(args.work_dir, "model"), args)
     write_prompts(args.work_dir, args)
     regimes = args.regimes.split(",")
-    sides = args.sides.split(",")
     records = []
     started = time.time()
     for round_index in range(args.rounds):
@@ -387,9 +404,11 @@ def main() -> None:
             for side in order:
                 name = f"r{round_index + 1}_{regime}_{side}"
                 load_before = os.getloadavg()[0]
-                run = run_trl if side == "trl" else run_ours
-                result = run(regime, args.seed + round_index,
-                             os.path.join(args.work_dir, name), args)
+                out_dir = os.path.join(args.work_dir, name)
+                if side == "trl":
+                    result = run_trl(regime, args.seed + round_index, out_dir, args)
+                else:
+                    result = run_ours(regime, args.seed + round_index, out_dir, args, side)
                 record = {"round": round_index + 1, "regime": regime, "side": side,
                           "load": (load_before, os.getloadavg()[0]), "result": result,
                           "summary": summarize(result, args.threshold)}

@@ -209,6 +209,12 @@ def test_rl_config_rules_name_the_fields():
         validate_rl(load_config(None, ["rollout.importance_level=row"]), 1)
     with pytest.raises(ConfigError, match="actor.offload=true needs rollout.engine=vllm"):
         validate_rl(load_config(None, ["actor.offload=true", "rollout.engine=megatron"]), 1)
+    with pytest.raises(ConfigError, match="old_logprobs=engine needs one optimizer step per "
+                                          "batch .trainer.ppo_epochs=2"):
+        validate_rl(load_config(None, ["rollout.old_logprobs=engine", "trainer.ppo_epochs=2"]), 1)
+    with pytest.raises(ConfigError, match="old_logprobs=engine needs on-policy batches"):
+        validate_rl(load_config(None, ["rollout.old_logprobs=engine",
+                                       "rollout.async_rollout=true"]), 1)
 
 
 def test_make_trainer_config_maps_the_seed_api(monkeypatch):

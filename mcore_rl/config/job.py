@@ -148,6 +148,12 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
     errors += config.actor.optimizer.check("actor.optimizer")
     errors += config.critic.optimizer.check("critic.optimizer")
     errors += _rl_batch_errors(config, world_size) + list(name_errors)
+    trainer = config.trainer
+    if config.rollout.old_logprobs == "engine" and (trainer.ppo_epochs, trainer.mini_batches) \
+            != (1, 1):
+        errors.append(f"rollout.old_logprobs=engine needs one optimizer step per batch "
+                      f"(trainer.ppo_epochs={trainer.ppo_epochs} and trainer.mini_batches="
+                      f"{trainer.mini_batches} must both be 1)")
     length = config.sequence_length()
     if length > config.model.max_position_embeddings:
         errors.append(f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {length} "

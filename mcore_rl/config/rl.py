@@ -20,6 +20,7 @@ ENGINES = ("vllm", "megatron")
 OVERLONG_RESPONSES = ("keep", "filter", "penalty")
 IMPORTANCE_LEVELS = ("token", "sequence")
 IMPORTANCE_MODES = ("truncate", "mask")
+OLD_LOGPROB_SOURCES = ("trainer", "engine")
 WANDB_MISSING = ("trainer.wandb_project is set but wandb is not installed: pip install wandb "
                  "(or unset trainer.wandb_project)")
 
@@ -142,6 +143,14 @@ class RolloutConfig:
     loss the tokens (importance_level=token) or whole responses (sequence) whose ratio leaves
     [importance_floor, importance_cap] and weight the rest by their ratio (masked IS)."""
 
+    old_logprobs: str = "trainer"
+    """Where the PPO ratio's old log-probs come from. trainer: a forward pass of the actor over
+    the batch before the update (exact PPO). engine: the engine's sampling log-probs (verl's
+    bypass mode), saving that forward pass; only for batches used for one on-policy optimizer
+    step (trainer.ppo_epochs=1, trainer.mini_batches=1, async_rollout=false, importance_cap=0),
+    where the two differ by the engine/trainer mismatch alone (a trainer run's
+    rollout/logprob_mismatch metrics say how much)."""
+
     def importance_correction(self) -> "ImportanceCorrection":
         return ImportanceCorrection(self.importance_cap, self.importance_floor,
                                     self.importance_level, self.importance_mode)
@@ -181,6 +190,12 @@ class RolloutConfig:
         if self.importance_mode not in IMPORTANCE_MODES:
             errors.append(f"rollout.importance_mode={self.importance_mode!r} must be one of "
                           f"{IMPORTANCE_MODES}")
+        if self.old_logprobs not in OLD_LOGPROB_SOURCES:
+            errors.append(f"rollout.old_logprobs={self.old_logprobs!r} must be one of "
+                          f"{OLD_LOGPROB_SOURCES}")
+        if self.old_logprobs == "engine" and (self.async_rollout or self.importance_cap):
+            errors.append("rollout.old_logprobs=engine needs on-policy batches without "
+                          "importance sampling (rollout.async_rollout=false, importance_cap=0)")
         if self.importance_mode == "mask" and not 0 <= self.importance_floor < \
                 self.importance_cap:
             errors.append(f"rollout.importance_floor={self.importance_floor} must be in [0, "

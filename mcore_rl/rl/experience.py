@@ -116,9 +116,13 @@ def select_groups(rollouts: list[Rollout], kept: list[list[int]]) -> Rollout:
                    min(rollout.version for rollout in rollouts))
 
 
-def add_forward_passes(batch: dict, roles) -> None:
-    """Old log-probs (actor), reference log-probs and old values (critic) of the batch."""
-    batch["old_logprobs"] = roles.actor.logprobs(batch)["logprobs"]
+def add_forward_passes(batch: dict, roles, old_logprobs: str = "trainer") -> None:
+    """Old log-probs (an actor forward pass, or the engine's: rollout.old_logprobs), reference
+    log-probs and old values (critic) of the batch."""
+    if old_logprobs == "engine":
+        batch["old_logprobs"] = batch["engine_logprobs"]
+    else:
+        batch["old_logprobs"] = roles.actor.logprobs(batch)["logprobs"]
     if roles.reference is not None:
         batch["ref_logprobs"] = roles.reference.logprobs(batch)
     if roles.critic is not None:

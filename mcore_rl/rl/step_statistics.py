@@ -14,8 +14,9 @@ from mcore_rl.rollout.mismatch import add_logprob_mismatch
 
 
 def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
-                        stats: SumsAndCounts) -> None:
-    """This rank's rollout numbers: rewards, lengths, advantages, values, mismatch."""
+                        stats: SumsAndCounts, mismatch: bool = True) -> None:
+    """This rank's rollout numbers: rewards, lengths, advantages, values, and the engine/trainer
+    log-prob mismatch (unless the old log-probs are the engine's own: `mismatch` false)."""
     scores = batch["scores"].double()
     stats.add("reward/mean", scores)
     stats.add("reward/square", scores.square())
@@ -31,7 +32,8 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
     stats.add("advantages/mean", batch["advantages"], response)
     stats.add_max("advantages/max", batch["advantages"][response])
     stats.add_max("advantages/neg_min", -batch["advantages"][response])
-    add_logprob_mismatch(stats, batch["engine_logprobs"], batch["old_logprobs"], response)
+    if mismatch:
+        add_logprob_mismatch(stats, batch["engine_logprobs"], batch["old_logprobs"], response)
     stats.add("rollout/truncated_prompts",
               torch.tensor([float(generation_metrics.get("truncated_prompts", 0))]))
     if "old_values" in batch:

@@ -141,10 +141,11 @@ class Trainer:
                 baselines = self.scheduler.greedy_scores(rollout, self.step)
                 batch["reward_baselines"] = baselines[batch["group_ids"]]
         with timer("logprobs"):
-            add_forward_passes(batch, self.roles)
+            add_forward_passes(batch, self.roles, self.config.rollout.old_logprobs)
         with timer("advantages"):
             add_advantages(batch, self.config.algorithm, self.kl_controller, self.dp_group, stats)
-        rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats)
+        rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats,
+                           mismatch=self.config.rollout.old_logprobs == "trainer")
         off_policy_statistics(batch, self.step - rollout.version,
                               self.config.rollout.importance_correction(), stats)
         self.generator.add_metrics(stats)
