@@ -360,3 +360,28 @@ def test_toy_tokenizer_round_trip_and_copy_records(toy_tokenizer):
     assert [r.ground_truth for r in train] != [r.ground_truth for r in val]
     encoded = encode_prompts(train, toy_tokenizer, 2)
     assert encoded.dropped_too_long == 0 and all(len(ids) == 2 for ids in encoded.token_ids)
+
+
+def test_reasoning_gym_task_kwargs_reach_the_generator_and_bad_ones_are_named():
+    import re
+
+    from mcore_rl.data.reasoning_gym_source import reasoning_gym_records
+
+    easy = ReasoningGymConfig(tasks=["basic_arithmetic"], task_kwargs={"basic_arithmetic": {
+        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"]}})
+    records = reasoning_gym_records(easy, 20, seed=3)
+    for record in records:  # "Calculate ( -( -8 + -7 ) )." : two one-digit terms, added
+        question = record.prompt[-1]["content"]
+        expression = re.fullmatch(r"Calculate (.*)\.", question).group(1)
+        assert re.fullmatch(r"[\d+\-() ]+", expression), question  # no * or /
+        terms = re.findall(r"\d+", expression)
+        assert len(terms) == 2 and all(len(term) == 1 for term in terms), question
+        assert expression.count("+") == 1, question
+        assert int(record.ground_truth) == eval(expression)  # the task's own answer
+    with pytest.raises(DataError, match=r"'basic_arithmetic' cannot be created with size=2, "
+                                        r"seed=3, max_termz=2 \(data.reasoning_gym.task_kwargs\)"):
+        reasoning_gym_records(ReasoningGymConfig(tasks=["basic_arithmetic"], task_kwargs={
+            "basic_arithmetic": {"max_termz": 2}}), 2, seed=3)
+    errors = DataConfig(reasoning_gym=ReasoningGymConfig(
+        tasks=["chain_sum"], task_kwargs={"basic_arithmetic": {}})).errors()
+    assert any("task_kwargs has settings for ['basic_arithmetic']" in error for error in errors)

@@ -9,7 +9,7 @@ dataset fails the job before the first rollout instead of in the middle of train
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 FILE_EXTENSIONS = (".parquet", ".jsonl", ".json")
 ON_BAD_ROW = ("error", "skip")
@@ -39,6 +39,11 @@ class ReasoningGymConfig:
     system_prompt: Optional[str] = None
     """System message asking for the answer in <answer> tags. None: reasoning-gym's default
     prompt; "": no system message (the question alone as the user message)."""
+
+    task_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Generator settings per task, passed to the task's reasoning-gym config (its own names):
+    e.g. {basic_arithmetic: {min_terms: 2, max_terms: 2, max_digits: 1, operators: [+]}}
+    makes a small model's first task easy enough to learn from. Keys must be listed tasks."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,10 @@ class DataConfig:
         duplicates = sorted({task for task in source.tasks if source.tasks.count(task) > 1})
         if duplicates:
             errors.append(f"data.reasoning_gym.tasks lists {duplicates} more than once")
+        stray = sorted(set(source.task_kwargs) - set(source.tasks))
+        if stray:
+            errors.append(f"data.reasoning_gym.task_kwargs has settings for {stray}, which "
+                          f"data.reasoning_gym.tasks does not list")
         try:
             from reasoning_gym.factory import DATASETS
         except ImportError:

@@ -33,7 +33,7 @@ def reasoning_gym_records(config: ReasoningGymConfig, size: int, seed: int,
     system_prompt = _system_prompt(config.system_prompt)
     records = []
     for task in config.tasks:
-        dataset = _create(task, size, seed)
+        dataset = _create(task, size, seed, config.task_kwargs.get(task, {}))
         for position in range(size):
             entry = _json_entry(task, position, dataset[position])
             if position < ROUND_TRIP_CHECKS:
@@ -60,14 +60,16 @@ def _messages(system_prompt: str, question: str) -> list[dict[str, str]]:
     return ([{"role": "system", "content": system_prompt}] + user) if system_prompt else user
 
 
-def _create(task: str, size: int, seed: int):
+def _create(task: str, size: int, seed: int, kwargs: dict[str, Any]):
     import reasoning_gym
 
     try:
-        return reasoning_gym.create_dataset(task, size=size, seed=seed)
-    except Exception as error:  # the task's own config validation: AssertionError, ValueError
+        return reasoning_gym.create_dataset(task, size=size, seed=seed, **kwargs)
+    except Exception as error:  # the task's own config validation: TypeError, AssertionError...
+        settings = "".join(f", {key}={value!r}" for key, value in kwargs.items())
         raise DataError(f"reasoning-gym task {task!r} cannot be created with size={size}, "
-                        f"seed={seed}: {type(error).__name__}: {error}") from None
+                        f"seed={seed}{settings} (data.reasoning_gym.task_kwargs): "
+                        f"{type(error).__name__}: {error}") from None
 
 
 def _json_entry(task: str, position: int, entry: dict[str, Any]) -> dict[str, Any]:
