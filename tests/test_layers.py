@@ -26,7 +26,7 @@ LAYERS = (
     ("resharding",),
     ("rollout",),
     ("roles",),
-    ("rl", "sft", "smoke"),
+    ("rl", "sft", "preference", "smoke"),
     ("cli", "quickstart", "launch_check"),
     ("__main__",),
 )
