@@ -2,6 +2,8 @@
 
     mcore-rl train --config configs/grpo_toy.yaml trainer.total_steps=50
     mcore-rl sft --config configs/quickstart/sft.yaml sft.epochs=3
+    mcore-rl rm --config configs/rm_toy.yaml rm.epochs=2
+    mcore-rl dpo --config configs/dpo_toy.yaml dpo.beta=0.2
     mcore-rl smoke --config configs/smoke.yaml parallel.tensor_model_parallel_size=2
     mcore-rl convert hf-to-mcore --hf PATH --out DIR --tp N --pp M
     mcore-rl convert mcore-to-hf --ckpt DIR --out PATH
@@ -44,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     sft = commands.add_parser("sft", help="supervised fine-tuning on demonstrations")
     sft.add_argument("--config", help="YAML config file (defaults apply when omitted)")
     sft.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    for name, what in (("rm", "Bradley-Terry reward model on preference pairs"),
+                       ("dpo", "direct preference optimisation (DPO, IPO) on preference pairs")):
+        preference = commands.add_parser(name, help=what)
+        preference.add_argument("--config", help="YAML config file (defaults apply when omitted)")
+        preference.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
     convert = commands.add_parser("convert", help="HF <-> Megatron checkpoint conversion")
     directions = convert.add_subparsers(dest="direction", required=True)
@@ -153,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "sft":
             from .sft import run_sft
             run_sft(load_config(args.config, args.overrides))
+        elif args.command in ("rm", "dpo"):
+            from .preference import DpoTrainer, RewardModelTrainer
+            job = RewardModelTrainer if args.command == "rm" else DpoTrainer
+            job(load_config(args.config, args.overrides)).fit()
         elif args.command == "train":
             from .rl import PREEMPTED_EXIT_CODE, Trainer
             trainer = Trainer(load_config(args.config, args.overrides))

@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from .config import ConfigError, JobConfig, load_config, validate, validate_rl, validate_sft
+from .config.job import validate_dataset_job
 from .conversion.model_source import with_model_from_init
 
 CHECKED_COMMANDS = ("train", "sft", "smoke")
@@ -58,6 +59,8 @@ def _validated(command: str, config: JobConfig, world: int) -> JobConfig:
         return validate_rl(config, world, unregistered_names(config.algorithm))
     if command == "sft":
         return validate_sft(config, world)
+    if command in ("rm", "dpo"):
+        return validate_dataset_job(config, world, command, command.upper())
     return validate(config, world)
 
 

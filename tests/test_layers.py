@@ -26,7 +26,7 @@ LAYERS = (
     ("resharding",),
     ("rollout",),
     ("roles",),
-    ("rl", "sft", "smoke", "serve"),
+    ("rl", "sft", "preference", "smoke", "serve"),
     ("cli", "quickstart", "launch_check"),
     ("__main__",),
 )

@@ -11,6 +11,7 @@ from .algorithm import AlgorithmConfig
 from .data import CHAT_TEMPLATE_MODES, DataConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
+from .preference import DpoConfig, RmConfig
 from .reward import RewardConfig
 from .rl import (CriticConfig, ReferenceConfig, RoleConfig, RolloutConfig, TrainerConfig,
                  rollout_tp_errors)
@@ -105,6 +106,12 @@ class JobConfig:
     sft: SftConfig = field(default_factory=SftConfig)
     """Supervised fine-tuning on demonstrations (`mcore-rl sft`)."""
 
+    rm: RmConfig = field(default_factory=lambda: RmConfig(optimizer=OptimizerConfig(lr=1e-5)))
+    """Reward-model training on preference pairs (`mcore-rl rm`)."""
+
+    dpo: DpoConfig = field(default_factory=lambda: DpoConfig(optimizer=OptimizerConfig(lr=1e-6)))
+    """Direct preference optimisation on preference pairs (`mcore-rl dpo`)."""
+
     def sequence_length(self) -> int:
         """The longest RL sequence: a prompt (data.max_prompt_tokens) and its response
         (rollout.sampling.max_new_tokens)."""
@@ -175,14 +182,22 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
 
 def validate_sft(config: JobConfig, world_size: int) -> JobConfig:
     """`validate` plus the rules of a supervised job."""
+    return validate_dataset_job(config, world_size, "sft", "SFT")
+
+
+def validate_dataset_job(config: JobConfig, world_size: int, section: str,
+                         what: str) -> JobConfig:
+    """`validate` plus the rules of a job trained on the fixed dataset of config.<section>
+    (sft, rm, dpo): its own fields and the chat-template mode its prompts are encoded with."""
     config = validate(config, world_size)
-    errors = config.sft.errors(config.parallel.data_parallel_size(world_size))
+    dp_size = config.parallel.data_parallel_size(world_size)
+    errors = getattr(config, section).errors(dp_size)
     if config.data.chat_template_mode() not in CHAT_TEMPLATE_MODES:
         errors.append(f"data.apply_chat_template={config.data.apply_chat_template!r} must be "
                       f"one of {', '.join(CHAT_TEMPLATE_MODES)}")
     if errors:
-        raise ConfigError("invalid SFT configuration (world size %d):\n  - %s"
-                          % (world_size, "\n  - ".join(errors)))
+        raise ConfigError("invalid %s configuration (world size %d):\n  - %s"
+                          % (what, world_size, "\n  - ".join(errors)))
     return config
 
 

@@ -58,25 +58,33 @@ class SftConfig:
 
     def errors(self, data_parallel_size: int) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""
-        errors = []
-        if not self.train_files:
-            errors.append("sft.train_files is empty: the job needs demonstrations")
-        for name in ("train_files", "val_files"):
-            for path in getattr(self, name):
-                if not str(path).lower().endswith(FILE_EXTENSIONS):
-                    errors.append(f"sft.{name}: {path!r} must end with one of "
-                                  f"{', '.join(FILE_EXTENSIONS)}")
-        for name in ("prompt_key", "response_key"):
-            if not getattr(self, name):
-                errors.append(f"sft.{name} must not be empty")
-        for name in ("max_length", "epochs", "batch_size", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                errors.append(f"sft.{name}={getattr(self, name)} must be >= 1")
-        if self.eval_every < 0:
-            errors.append(f"sft.eval_every={self.eval_every} must be >= 0")
-        rows_per_rank, remainder = divmod(self.batch_size, data_parallel_size)
-        if remainder or rows_per_rank % max(self.micro_batch_size, 1):
-            errors.append(f"sft.batch_size={self.batch_size} must split into "
-                          f"{data_parallel_size} data-parallel ranks x whole micro-batches of "
-                          f"sft.micro_batch_size={self.micro_batch_size}")
-        return errors + self.optimizer.check("sft.optimizer")
+        return offline_job_errors(self, "sft", ("prompt_key", "response_key"),
+                                  data_parallel_size)
+
+
+def offline_job_errors(section_config, section: str, key_fields: tuple[str, ...],
+                       data_parallel_size: int) -> list[str]:
+    """The rules every job on a fixed dataset (sft, rm, dpo) shares: files, column names,
+    counts, and a batch that splits into DP ranks x whole micro-batches."""
+    config, errors = section_config, []
+    if not config.train_files:
+        errors.append(f"{section}.train_files is empty: the job needs training data")
+    for name in ("train_files", "val_files"):
+        for path in getattr(config, name):
+            if not str(path).lower().endswith(FILE_EXTENSIONS):
+                errors.append(f"{section}.{name}: {path!r} must end with one of "
+                              f"{', '.join(FILE_EXTENSIONS)}")
+    for name in key_fields:
+        if not getattr(config, name):
+            errors.append(f"{section}.{name} must not be empty")
+    for name in ("max_length", "epochs", "batch_size", "micro_batch_size"):
+        if getattr(config, name) < 1:
+            errors.append(f"{section}.{name}={getattr(config, name)} must be >= 1")
+    if config.eval_every < 0:
+        errors.append(f"{section}.eval_every={config.eval_every} must be >= 0")
+    rows_per_rank, remainder = divmod(config.batch_size, data_parallel_size)
+    if remainder or rows_per_rank % max(config.micro_batch_size, 1):
+        errors.append(f"{section}.batch_size={config.batch_size} must split into "
+                      f"{data_parallel_size} data-parallel ranks x whole micro-batches of "
+                      f"{section}.micro_batch_size={config.micro_batch_size}")
+    return errors + config.optimizer.check(f"{section}.optimizer")

@@ -23,14 +23,16 @@ from ..config import ModelConfig
 from ..param_layout import sharding
 from ..runtime.progress import progress
 from .architectures import ARCHITECTURES, Architecture
+from .sequence_classifier import SCORE, classifier_hf_config
 
 DEFAULT_MAX_FILE_BYTES = 2 * 1024 ** 3
 
 
-def plan_files(model: ModelConfig, max_file_bytes: int, bytes_per_value: int = 4) -> list:
+def plan_files(model: ModelConfig, max_file_bytes: int, bytes_per_value: int = 4,
+               head: str = "lm") -> list:
     """Canonical names grouped into consecutive output files of bounded size."""
     files, current, size = [], [], 0
-    for name in sharding.canonical_param_shapes(model):
+    for name in sharding.canonical_param_shapes(model, head):
         tensor_bytes = torch.Size(stored_shape(name, model)).numel() * bytes_per_value
         if current and size + tensor_bytes > max_file_bytes:
             files.append(current)
@@ -68,15 +70,14 @@ def _architecture(metadata: dict, override: str | None) -> Architecture:
 
 def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, architecture: str | None = None,
                         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
-    """Collective over the current world (any number of processes)."""
+    """Collective over the current world (any number of processes). An LM checkpoint becomes
+    a ...ForCausalLM folder, a scalar-head one (a reward model) a ...ForSequenceClassification
+    folder with num_labels=1."""
     metadata = read_metadata(ckpt_dir)
-    if metadata["head"] != "lm":
-        raise ValueError(f"{ckpt_dir} holds a '{metadata['head']}' head; only LM checkpoints "
-                         "export to *ForCausalLM")
     if os.path.exists(out_dir):
         raise FileExistsError(f"output {out_dir} already exists; refusing to overwrite it")
-    model, arch = metadata["model"], _architecture(metadata, architecture)
-    files = plan_files(model, max_file_bytes)
+    model, arch, head = metadata["model"], _architecture(metadata, architecture), metadata["head"]
+    files = plan_files(model, max_file_bytes, head=head)
     rank, world = dist.get_rank(), dist.get_world_size()
     staging = os.path.abspath(out_dir) + ".incomplete"
     if rank == 0:
@@ -93,7 +94,7 @@ def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, architecture: str | None = 
             if index < len(files):
                 hf_tensors = {}
                 for name in names:
-                    hf_tensors.update(arch.from_canonical(name, canonical.pop(name), model))
+                    hf_tensors.update(_hf_tensors(arch, name, canonical.pop(name), model))
                 save_file(hf_tensors, os.path.join(staging, _file_name(index, len(files))),
                           metadata={"format": "pt"})
             bar.update(min(world, len(files) - first))
@@ -101,10 +102,21 @@ def convert_mcore_to_hf(ckpt_dir: str, out_dir: str, architecture: str | None = 
     if rank == 0:
         weight_map = {hf_name: _file_name(index, len(files))
                       for index, names in enumerate(files) for name in names
-                      for hf_name in arch.hf_shapes(name, model)}
+                      for hf_name in _hf_names(arch, name, model)}
         _write_side_files(staging, ckpt_dir, metadata, arch, model, weight_map)
         os.replace(staging, os.path.abspath(out_dir))
     dist.barrier()
+
+
+def _hf_tensors(arch: Architecture, name: str, tensor: torch.Tensor,
+                model: ModelConfig) -> dict[str, torch.Tensor]:
+    if name == sharding.SCALAR_HEAD:
+        return {SCORE: tensor.contiguous()}
+    return arch.from_canonical(name, tensor, model)
+
+
+def _hf_names(arch: Architecture, name: str, model: ModelConfig) -> list[str]:
+    return [SCORE] if name == sharding.SCALAR_HEAD else list(arch.hf_shapes(name, model))
 
 
 def _write_side_files(staging: str, ckpt_dir: str, metadata: dict, arch: Architecture,
@@ -114,7 +126,10 @@ def _write_side_files(staging: str, ckpt_dir: str, metadata: dict, arch: Archite
     with open(os.path.join(staging, "model.safetensors.index.json"), "w") as handle:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, handle, indent=2)
     with open(os.path.join(staging, "config.json"), "w") as handle:
-        json.dump(arch.hf_config(model, metadata.get("hf_config")), handle, indent=2)
+        config = arch.hf_config(model, metadata.get("hf_config"))
+        if metadata["head"] == "scalar":
+            config = classifier_hf_config(config)
+        json.dump(config, handle, indent=2)
     tokenizer = os.path.join(ckpt_dir, "tokenizer")
     if os.path.isdir(tokenizer):
         for name in os.listdir(tokenizer):

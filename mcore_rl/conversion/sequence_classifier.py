@@ -69,3 +69,16 @@ def scalar_shards_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConf
         shards[local] = sharding.split_for_tp(canonical, full, model, coordinates.tp_size,
                                               coordinates.tp_rank).clone()
     return shards
+
+
+def classifier_hf_config(causal_config: dict) -> dict:
+    """config.json of the one-label classifier whose trunk `causal_config` (a ...ForCausalLM
+    config.json) describes: what `open_sequence_classifier` and transformers' Auto classes
+    read."""
+    name = causal_config["architectures"][0]
+    if not name.endswith("ForCausalLM"):
+        raise ValueError(f"architecture {name!r} is not a ...ForCausalLM")
+    config = dict(causal_config, architectures=[name[:-len("ForCausalLM")] + CLASSIFIER_SUFFIX],
+                  num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    config.pop("problem_type", None)
+    return config

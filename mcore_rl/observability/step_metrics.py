@@ -119,6 +119,9 @@ class MetricsLogger:
 
     CONSOLE = ("reward/mean", "reward/accuracy", "actor/entropy", "actor/kl_to_reference",
                "actor/grad_norm", "critic/loss", "sft/loss", "sft/val_loss",
+               "rm/loss", "rm/accuracy", "rm/val_loss", "rm/val_accuracy", "rm/val_margin",
+               "dpo/loss", "dpo/rewards/accuracy", "dpo/val_loss", "dpo/val_rewards/accuracy",
+               "dpo/val_rewards/margin",
                "response/length_mean", "time/step", "throughput/tokens_per_second")
 
     def __init__(self, output_dir: str, tensorboard: bool, wandb_project: str | None = None,

@@ -2,7 +2,8 @@
 reads their results back afterwards.
 
     <dir>/data/          sft_train.jsonl (24 demonstrations), sft_val.jsonl, rl_train.jsonl,
-                         rl_val.jsonl (200 held-out questions, never trained on)
+                         rl_val.jsonl (200 held-out questions, never trained on),
+                         pairs_train.jsonl, pairs_val.jsonl (preference pairs, same split)
     <dir>/hf_init/       the tiny random Llama and its tokenizer (HF)
     <dir>/mcore_init/    the same converted to a Megatron checkpoint
     <dir>/sft/           the SFT run; sft/model is its weights checkpoint
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .task import VOCABULARY, rl_rows, sft_rows, split_questions, write_jsonl
+from .task import VOCABULARY, preference_rows, rl_rows, sft_rows, split_questions, write_jsonl
 from .tiny_model import write_tiny_llama
 
 HELD_OUT_QUESTIONS = 200
@@ -25,6 +26,7 @@ SEED = 0
 def prepare(directory: str) -> None:
     """Write the data files and the tiny HF model (skipped when already there)."""
     root = Path(directory)
+    _prepare_pairs(root / "data")
     if (root / "hf_init").is_dir():
         print(f"prepare: {root / 'hf_init'} exists, keeping it and {root / 'data'}")
         return
@@ -38,6 +40,16 @@ def prepare(directory: str) -> None:
     print(f"prepare: {len(split['demonstrations'])} demonstrations, {len(split['train'])} "
           f"training prompts, {len(split['held_out'])} held-out questions in {data}; tiny "
           f"Llama in {root / 'hf_init'}")
+
+
+def _prepare_pairs(data: Path) -> None:
+    """Preference pairs for `mcore-rl rm` / `dpo` (configs/quickstart/rm.yaml, dpo.yaml):
+    the training questions and the held-out ones, as in the RL files."""
+    if (data / "pairs_train.jsonl").is_file():
+        return
+    split = split_questions(HELD_OUT_QUESTIONS, DEMONSTRATIONS, SEED)
+    write_jsonl(str(data / "pairs_val.jsonl"), preference_rows(split["held_out"]))
+    write_jsonl(str(data / "pairs_train.jsonl"), preference_rows(split["train"]))
 
 
 def report(directory: str) -> str:

@@ -48,6 +48,14 @@ def sft_rows(pairs: list[tuple[str, str]]) -> list[dict]:
     return [{"prompt": prompt, "response": answer} for prompt, answer in pairs]
 
 
+def preference_rows(pairs: list[tuple[str, str]]) -> list[dict]:
+    """Preference rows for `mcore-rl rm` and `mcore-rl dpo`: the answer is chosen over the
+    smallest digit (questions whose digits are all equal give chosen == rejected, which the
+    jobs count and skip)."""
+    return [{"prompt": prompt, "chosen": answer, "rejected": min(prompt.split()[1:])}
+            for prompt, answer in pairs]
+
+
 def write_jsonl(path: str, rows: list[dict]) -> str:
     """Write `rows` as JSON lines (to a temporary name, then renamed)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -26,12 +26,14 @@ class Reference:
         if self.offload:
             module.to("cpu")
 
-    def logprobs(self, batch: dict) -> torch.Tensor:
-        """[n, s] log-probs of the batch's tokens under the reference policy."""
+    def logprobs(self, batch: dict, micro_batch_size: int | None = None) -> torch.Tensor:
+        """[n, s] log-probs of the batch's tokens under the reference policy (in micro-batches
+        of `micro_batch_size` rows when given, else the role's)."""
         if self.offload:
             self.module.to(self.device)
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        logprobs = compute_outputs([self.module], inputs, self.micro_batch_size, "lm",
+        logprobs = compute_outputs([self.module], inputs,
+                                   micro_batch_size or self.micro_batch_size, "lm",
                                    self.vocab_size, self.temperature,
                                    self.max_tokens)["logprobs"]
         if self.offload:

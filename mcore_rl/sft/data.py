@@ -11,13 +11,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
 from mcore_rl.config.sft import SftConfig
 from mcore_rl.data.encode import encode_prompt
+from mcore_rl.data.example_order import epoch_order, rank_rows  # noqa: F401 (re-exported)
 from mcore_rl.data.files import iter_rows
 from mcore_rl.data.records import BadRow, DataError, Prompt, check_prompt
+from mcore_rl.data.sequences import padded_batch
 
 
 @dataclass(frozen=True)
@@ -100,26 +99,4 @@ def load_demonstrations(paths: list[str], config: SftConfig, tokenizer,
 def make_batch(examples: EncodedDemonstrations, rows: list[int], pad_id: int) -> dict:
     """Right-padded input_ids, attention_mask and loss_mask [len(rows), longest] of `rows`;
     loss_mask marks the response tokens and the end-of-sequence token."""
-    width = max(len(examples.token_ids[row]) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for position, row in enumerate(rows):
-        ids = examples.token_ids[row]
-        input_ids[position, :len(ids)] = torch.tensor(ids)
-        attention_mask[position, :len(ids)] = 1
-        loss_mask[position, examples.prompt_lengths[row]:len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
-
-
-def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
-    """The seeded order of the examples in `epoch` (identical on every rank)."""
-    return np.random.default_rng([seed, epoch]).permutation(count).tolist()
-
-
-def rank_rows(order: list[int], step: int, batch_size: int, dp_rank: int,
-              dp_size: int) -> list[int]:
-    """This data-parallel rank's share of the step's `batch_size` examples."""
-    step_rows = order[step * batch_size:(step + 1) * batch_size]
-    per_rank = batch_size // dp_size
-    return step_rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    return padded_batch(examples.token_ids, examples.prompt_lengths, rows, pad_id)

@@ -108,3 +108,17 @@ def align_to_tokens(per_position: torch.Tensor, attention_mask: torch.Tensor) ->
     valid = attention_mask.bool().clone()
     valid[:, 0] = False
     return torch.where(valid, aligned, torch.zeros_like(aligned))
+
+
+def with_score_slot(batch: Batch) -> tuple[Batch, torch.Tensor]:
+    """The batch with one more valid position per row, and that position [n]. Per-token outputs
+    are aligned to the token after the one that produced them, so the output slot of the extra
+    position holds the model's output at the row's last real token (causal attention keeps the
+    extra token (id 0) from changing anything before it): a scalar head's
+    sequence score, read as transformers' `...ForSequenceClassification` reads it."""
+    lengths = batch["attention_mask"].sum(dim=1)
+    rows = torch.arange(len(lengths))
+    extended = {name: torch.nn.functional.pad(tensor, (0, 1)) if tensor.dim() == 2 else tensor
+                for name, tensor in batch.items()}
+    extended["attention_mask"][rows, lengths] = 1
+    return extended, lengths
