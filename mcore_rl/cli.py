@@ -2,8 +2,8 @@
 
     mcore-rl train --config configs/grpo_toy.yaml trainer.total_steps=50
     mcore-rl sft --config configs/quickstart/sft.yaml sft.epochs=3
-    mcore-rl rm --config configs/rm_toy.yaml rm.epochs=2
-    mcore-rl dpo --config configs/dpo_toy.yaml dpo.beta=0.2
+    mcore-rl rm --config configs/quickstart/rm.yaml rm.epochs=2
+    mcore-rl dpo --config configs/quickstart/dpo.yaml dpo.beta=0.2
     mcore-rl smoke --config configs/smoke.yaml parallel.tensor_model_parallel_size=2
     mcore-rl convert hf-to-mcore --hf PATH --out DIR --tp N --pp M
     mcore-rl convert mcore-to-hf --ckpt DIR --out PATH

@@ -6,6 +6,8 @@ evaluation before the first and after the last step, and rank 0 saves the histor
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import torch
@@ -144,9 +146,11 @@ def reward_model_scores(out_path: str, model_path: str, tensor_parallel: int) ->
     from mcore_rl.rl.build import build_reward_model
 
     model = open_sequence_classifier(model_path)[2]
+    # 4 rows in micro-batches of 3: the row count need not divide (an evaluation's does not).
     config = JobConfig(model=model,
                        parallel=ParallelConfig(tensor_model_parallel_size=tensor_parallel),
-                       reward=RewardConfig(model_path=model_path))
+                       reward=RewardConfig(model_path=model_path),
+                       actor=dataclasses.replace(JobConfig().actor, micro_batch_size=3))
     runtime = initialize(config)
     ids, mask = reference_batch(model.vocab_size)
     scores = build_reward_model(config, runtime.device).score(ids, mask)

@@ -49,11 +49,15 @@ def sft_rows(pairs: list[tuple[str, str]]) -> list[dict]:
 
 
 def preference_rows(pairs: list[tuple[str, str]]) -> list[dict]:
-    """Preference rows for `mcore-rl rm` and `mcore-rl dpo`: the answer is chosen over the
-    smallest digit (questions whose digits are all equal give chosen == rejected, which the
-    jobs count and skip)."""
-    return [{"prompt": prompt, "chosen": answer, "rejected": min(prompt.split()[1:])}
-            for prompt, answer in pairs]
+    """Preference rows for `mcore-rl rm` and `mcore-rl dpo`: the answer is chosen over a wrong
+    digit that cycles through all nine, larger and smaller, in the question or not. (Always
+    rejecting the smallest digit taught the reward model "larger is better", and PPO on it
+    learned to answer 9: held-out accuracy fell from 47.5% to 34.5% while its reward rose.)"""
+    rows = []
+    for index, (prompt, answer) in enumerate(pairs):
+        wrong = [digit for digit in DIGITS if digit != answer]
+        rows.append({"prompt": prompt, "chosen": answer, "rejected": wrong[index % len(wrong)]})
+    return rows
 
 
 def write_jsonl(path: str, rows: list[dict]) -> str:

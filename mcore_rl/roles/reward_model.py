@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mcore_rl.training import compute_outputs
-from mcore_rl.training.batches import with_score_slot
+from mcore_rl.training.batches import pad_rows_to_multiple, with_score_slot
 
 
 class RewardModel:
@@ -20,7 +20,9 @@ class RewardModel:
         self.micro_batch_size = micro_batch_size
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[n] scores of right-padded rows: the head's output at each row's last token."""
+        """[n] scores of right-padded rows, any n (an evaluation's count need not divide into
+        micro-batches): the head's output at each row's last token."""
         batch, last = with_score_slot({"input_ids": input_ids, "attention_mask": attention_mask})
-        values = compute_outputs([self.module], batch, self.micro_batch_size, "scalar")["values"]
+        padded = pad_rows_to_multiple(batch, self.micro_batch_size)
+        values = compute_outputs([self.module], padded, self.micro_batch_size, "scalar")["values"]
         return values[torch.arange(len(last)), last]
