@@ -2,8 +2,9 @@
 # SmolLM2-135M-Instruct on easy arithmetic, 2 CPU ranks: reasoning-gym generates the task
 # (2 terms, 1-2 digits, + and -, no parentheses or negation: data.reasoning_gym.task_kwargs),
 # a one-epoch SFT warm-up on 224 generated demonstrations (question -> the number), then GRPO
-# (configs/grpo_smollm2_reasoning_gym.yaml, same task settings) with greedy held-out accuracy on
-# 64 questions before the first step, every 10 steps and after. Figures: docs/smollm2_example.md.
+# (configs/grpo_smollm2_reasoning_gym.yaml, same task settings, 8 prompts x 8 samples a step, old
+# log-probs from the engine) with greedy held-out accuracy on 64 questions before the first step,
+# every 10 steps and after. Figures: docs/smollm2_example.md.
 #
 #   bash scripts/smollm2_recipe.sh [extra mcore-rl train overrides]     # SMOLLM2_DIR moves it
 set -euo pipefail
@@ -48,5 +49,6 @@ phase "3/3 GRPO from the SFT weights"
 ranks train --config configs/grpo_smollm2_reasoning_gym.yaml init.hf_path=null \
   init.checkpoint="$DIR/sft/model" runtime.output_dir="$DIR/grpo" "data.reasoning_gym.task_kwargs=$TASK" \
   data.reasoning_gym.val_size=64 rollout.sampling.max_new_tokens=16 \
-  rollout.eval_sampling.max_new_tokens=16 trainer.total_steps=20 trainer.eval_every=10 "$@"
+  rollout.eval_sampling.max_new_tokens=16 rollout.prompts_per_step=8 rollout.old_logprobs=engine \
+  trainer.total_steps=20 trainer.eval_every=10 "$@"
 echo "smollm2 recipe: $((SECONDS - started)) s"
