@@ -27,8 +27,9 @@ def reward_model_terms(outputs: dict, micro_batch: dict, config: RmConfig):
     """Bradley-Terry losses of the scores at each sequence's last token (the batch went
     through `with_score_slot`; its "score_position" says where the score is)."""
     positions = micro_batch["score_position"]
-    scores = outputs["values"][torch.arange(len(positions)), positions.to(
-        outputs["values"].device)]
+    values = outputs["values"]
+    scores = values[torch.arange(len(positions), device=values.device),
+                    positions.to(values.device)]
     chosen, rejected = scores[0::2], scores[1::2]
     losses = bradley_terry(chosen, rejected, config.margin, config.reward_l2)
     return losses, {"accuracy": (chosen > rejected).float(), "margin": chosen - rejected,
