@@ -81,9 +81,12 @@ class BridgeTransport:
 
     def agree(self, problems, error_type, prefix):
         """Every rank writes its problems under this round's key and reads everyone's (the
-        store's timeout bounds the wait for a rank that never arrives)."""
+        store's timeout bounds the wait for a rank that never arrives). A rank in round r has
+        every peer past round r - 2, so it deletes its own key of that round."""
         self._rounds += 1
         keys = [f"agree/{self._rounds}/{rank}" for rank in range(self.size)]
+        if self._rounds > 2:
+            self.store.delete_key(f"agree/{self._rounds - 2}/{self.rank}")
         self.store.set(keys[self.rank], json.dumps(problems))
         self.store.wait(keys)
         raise_gathered({rank: json.loads(self.store.get(key)) for rank, key in enumerate(keys)},
