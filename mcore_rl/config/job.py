@@ -155,12 +155,7 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
     errors += config.actor.optimizer.check("actor.optimizer")
     errors += config.critic.optimizer.check("critic.optimizer")
     errors += _rl_batch_errors(config, world_size) + list(name_errors)
-    trainer = config.trainer
-    if config.rollout.old_logprobs == "engine" and (trainer.ppo_epochs, trainer.mini_batches) \
-            != (1, 1):
-        errors.append(f"rollout.old_logprobs=engine needs one optimizer step per batch "
-                      f"(trainer.ppo_epochs={trainer.ppo_epochs} and trainer.mini_batches="
-                      f"{trainer.mini_batches} must both be 1)")
+    errors += _engine_old_logprob_errors(config)
     length = config.sequence_length()
     if length > config.model.max_position_embeddings:
         errors.append(f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {length} "
@@ -178,6 +173,22 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
         raise ConfigError("invalid RL configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
     return config
+
+
+def _engine_old_logprob_errors(config: JobConfig) -> list[str]:
+    """rollout.old_logprobs=engine is exact only for a batch used for one on-policy step."""
+    rollout, trainer = config.rollout, config.trainer
+    if rollout.old_logprobs != "engine":
+        return []
+    errors = []
+    if (trainer.ppo_epochs, trainer.mini_batches) != (1, 1):
+        errors.append(f"rollout.old_logprobs=engine needs one optimizer step per batch "
+                      f"(trainer.ppo_epochs={trainer.ppo_epochs} and trainer.mini_batches="
+                      f"{trainer.mini_batches} must both be 1)")
+    if rollout.async_rollout or rollout.importance_cap:
+        errors.append("rollout.old_logprobs=engine needs on-policy batches without "
+                      "importance sampling (rollout.async_rollout=false, importance_cap=0)")
+    return errors
 
 
 def validate_sft(config: JobConfig, world_size: int) -> JobConfig:

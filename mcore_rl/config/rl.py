@@ -193,9 +193,6 @@ class RolloutConfig:
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
             errors.append(f"rollout.old_logprobs={self.old_logprobs!r} must be one of "
                           f"{OLD_LOGPROB_SOURCES}")
-        if self.old_logprobs == "engine" and (self.async_rollout or self.importance_cap):
-            errors.append("rollout.old_logprobs=engine needs on-policy batches without "
-                          "importance sampling (rollout.async_rollout=false, importance_cap=0)")
         if self.importance_mode == "mask" and not 0 <= self.importance_floor < \
                 self.importance_cap:
             errors.append(f"rollout.importance_floor={self.importance_floor} must be in [0, "

@@ -113,9 +113,7 @@ class ReshardPlan:
 
     @property
     def job_world_size(self) -> int:
-        """Ranks the plan spans: the training ranks, and the rollout ranks after them in split
-        placement."""
-        return max(self.training.world_size, self.rollout.ranks.stop)
+        return job_world_size(self.training, self.rollout)
 
     def traffic(self) -> "Traffic":
         """Bytes each rank receives and sends under this plan."""
@@ -152,6 +150,12 @@ class ReshardPlan:
                     runs.append(run)
             buckets[-1].append((param, tuple(runs)))
         return buckets
+
+
+def job_world_size(training: TrainingLayout, rollout: RolloutLayout) -> int:
+    """Ranks two layouts span: the training ranks, and the rollout ranks after them in split
+    placement."""
+    return max(training.world_size, rollout.ranks.stop)
 
 
 BucketEntry = tuple[ParamPlan, tuple[Transfer, ...]]
@@ -429,7 +433,7 @@ def lower_bound_received(training: TrainingLayout, rollout: RolloutLayout,
                          element_size: int) -> np.ndarray:
     """Bytes each rank must receive at least: its rollout shard's real rows it does not hold."""
     cache: dict[tuple, int] = {}
-    lower = np.zeros(max(training.world_size, rollout.ranks.stop), np.int64)
+    lower = np.zeros(job_world_size(training, rollout), np.int64)
     for rank in rollout.ranks:
         coordinates = training.coordinates(rank)[:2] if rank < training.world_size else None
         key = (coordinates, rollout.tp_rank_of[rank - rollout.first_rank])

@@ -25,4 +25,4 @@ class RewardModel:
         batch, last = with_score_slot({"input_ids": input_ids, "attention_mask": attention_mask})
         padded = pad_rows_to_multiple(batch, self.micro_batch_size)
         values = compute_outputs([self.module], padded, self.micro_batch_size, "scalar")["values"]
-        return values[torch.arange(len(last)), last]
+        return values[torch.arange(len(last), device=values.device), last.to(values.device)]

@@ -23,8 +23,6 @@ import torch.distributed as dist
 from .launch_env import LaunchEnv
 from .transport import BridgeTransport
 
-SIDES = ("trainer", "rollout")
-
 
 @dataclass(frozen=True)
 class SplitWorld:
@@ -41,13 +39,6 @@ class SplitWorld:
 
     bridge: BridgeTransport
     """All ranks of the job, in job order: the trainers first, then the rollout ranks."""
-
-    @property
-    def trainer_ranks(self) -> int:
-        """Job ranks 0..trainer_ranks-1 train; the others generate."""
-        if self.side == "trainer":
-            return self.launch.world_size
-        return self.job.world_size - self.launch.world_size
 
 
 def side_of(job: LaunchEnv, rollout_ranks: int) -> tuple[str, LaunchEnv]:

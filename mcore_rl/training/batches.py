@@ -117,7 +117,7 @@ def with_score_slot(batch: Batch) -> tuple[Batch, torch.Tensor]:
     extra token (id 0) from changing anything before it): a scalar head's
     sequence score, read as transformers' `...ForSequenceClassification` reads it."""
     lengths = batch["attention_mask"].sum(dim=1)
-    rows = torch.arange(len(lengths))
+    rows = torch.arange(len(lengths), device=lengths.device)
     extended = {name: torch.nn.functional.pad(tensor, (0, 1)) if tensor.dim() == 2 else tensor
                 for name, tensor in batch.items()}
     extended["attention_mask"][rows, lengths] = 1
