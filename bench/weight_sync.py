@@ -56,7 +56,8 @@ def measure(out_path: str, overrides: list[str], weight_layout: str, syncs: int)
     `syncs` times; rank 0 saves every rank's figures and its plan's bound."""
     from mcore_rl.config import load_config, validate_rl
     from mcore_rl.runtime import initialize, read_launch_env, shutdown
-    from mcore_rl.rl.build import build_roles, build_vllm_engine, with_rank_order
+    from mcore_rl.resharding.execute import megatron_training_layout
+    from mcore_rl.rl.build import build_roles, build_vllm_engine, weight_plan, with_rank_order
 
     launch = read_launch_env()
     config = validate_rl(load_config(os.path.join(REPO, "configs", "grpo_toy.yaml"), overrides),
@@ -64,7 +65,10 @@ def measure(out_path: str, overrides: list[str], weight_layout: str, syncs: int)
     if weight_layout == "vllm":
         config = with_rank_order(config, launch.ranks_per_node, launch.world_size)
     runtime = initialize(config, launch)
-    engine, weight_sync = build_vllm_engine(config, config.sequence_length(), weight_layout)
+    training = megatron_training_layout(config.model, config.parallel.megatron_order())
+    engine, weight_sync = build_vllm_engine(config, config.sequence_length(),
+                                            weight_plan(config, training, weight_layout))
+    engine.sleep()
     actor = build_roles(config, runtime.device).actor
     figures = []
     for _ in range(syncs):

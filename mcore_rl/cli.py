@@ -166,12 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             job = RewardModelTrainer if args.command == "rm" else DpoTrainer
             job(load_config(args.config, args.overrides)).fit()
         elif args.command == "train":
-            from .rl import PREEMPTED_EXIT_CODE, Trainer
-            trainer = Trainer(load_config(args.config, args.overrides))
-            trainer.fit()
-            trainer.close()
-            if trainer.preempted:
-                return PREEMPTED_EXIT_CODE
+            from .rl import run_training
+            return run_training(load_config(args.config, args.overrides))
     except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as error:
         # A config error, or one all ranks agreed on (runtime.agreement), is the same on every
         # rank: rank 0 says it. Any other error may be this rank's alone.

@@ -11,6 +11,7 @@ from .algorithm import AlgorithmConfig
 from .data import CHAT_TEMPLATE_MODES, DataConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
+from .placement import PlacementConfig
 from .preference import DpoConfig, RmConfig
 from .reward import RewardConfig
 from .rl import (CriticConfig, ReferenceConfig, RoleConfig, RolloutConfig, TrainerConfig,
@@ -60,7 +61,10 @@ class JobConfig:
     """Architecture of the trained model."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Training layout over the world."""
+    """Training layout over the world (over the trainer ranks in split placement)."""
+
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """RL: colocated, or split into trainer ranks and rollout ranks."""
 
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and learning-rate schedule."""
@@ -121,15 +125,18 @@ class JobConfig:
 def validate(config: JobConfig, world_size: int) -> JobConfig:
     """Check every rule that can be checked before a process group exists; raise ConfigError
     listing all broken ones (not just the first). Returns the config with its machine-dependent
-    settings settled (`runtime.precision=auto`), as the job runs and records it."""
+    settings settled (`runtime.precision=auto`), as the job runs and records it. In split
+    placement the training layout spans the trainer ranks only."""
     parallel = config.parallel
-    errors = parallel.check(world_size)
+    errors = config.placement.errors(world_size)
+    training_world = config.placement.trainer_ranks(world_size) if not errors else world_size
+    errors += parallel.check(training_world)
     errors += config.model.check(parallel.tensor_model_parallel_size,
                                  parallel.pipeline_model_parallel_size)
     errors += config.optimizer.check("optimizer")
     errors += config.runtime.check()
     if not errors:
-        errors += config.batch.check(parallel.data_parallel_size(world_size))
+        errors += config.batch.check(parallel.data_parallel_size(training_world))
         if config.batch.seq_length > config.model.max_position_embeddings:
             errors.append(f"batch.seq_length={config.batch.seq_length} exceeds "
                           f"model.max_position_embeddings={config.model.max_position_embeddings}")
@@ -163,16 +170,46 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
                       f"{config.model.max_position_embeddings}")
     if config.rollout.engine == "vllm":
         errors += [f"rollout.{message}" for message in rollout_tp_errors(
-            config.rollout.rollout_tp, world_size, config.model.num_attention_heads)]
+            config.rollout.rollout_tp, config.placement.engine_ranks(world_size),
+            config.model.num_attention_heads)]
     for role in ("actor", "critic"):
         if getattr(config, role).offload and config.rollout.engine != "vllm":
             errors.append(f"{role}.offload=true needs rollout.engine=vllm (the "
                           f"{config.rollout.engine} engine generates with the actor's own "
                           f"parameters)")
+    errors += _placement_errors(config, world_size)
     if errors:
         raise ConfigError("invalid RL configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
     return config
+
+
+def _placement_errors(config: JobConfig, world_size: int) -> list[str]:
+    """What split placement does not combine with (yet), and staleness outside it."""
+    rollout, placement = config.rollout, config.placement
+    if not placement.split:
+        return ([f"rollout.max_staleness={rollout.max_staleness} needs split placement "
+                 "(placement.rollout_ranks > 0); colocated jobs lag one step with "
+                 "rollout.async_rollout"] if rollout.max_staleness else [])
+    why = "with placement.rollout_ranks > 0 (split placement)"
+    errors = []
+    if rollout.engine != "vllm":
+        errors.append(f"rollout.engine={rollout.engine!r} cannot run {why}: the rollout ranks "
+                      "hold no actor to generate with; use rollout.engine=vllm")
+    unsupported = {"rollout.async_rollout": rollout.async_rollout,
+                   "rollout.dynamic_sampling": rollout.dynamic_sampling,
+                   "reward.model_path": config.reward.model_path,
+                   "actor.offload": config.actor.offload, "critic.offload": config.critic.offload}
+    errors += [f"{name} is not supported {why}" for name, value in unsupported.items() if value]
+    if config.algorithm.estimator == "remax":
+        errors.append(f"algorithm.estimator=remax is not supported {why} (its greedy baseline "
+                      "needs the engine on the trainer ranks)")
+    instances = placement.engine_ranks(world_size) // max(rollout.rollout_tp, 1)
+    if instances and rollout.prompts_per_step % instances:
+        errors.append(f"rollout.prompts_per_step={rollout.prompts_per_step} must be divisible "
+                      f"by the {instances} vLLM instances of the rollout ranks "
+                      f"(placement.rollout_ranks / rollout.rollout_tp)")
+    return errors
 
 
 def _engine_old_logprob_errors(config: JobConfig) -> list[str]:
@@ -185,9 +222,10 @@ def _engine_old_logprob_errors(config: JobConfig) -> list[str]:
         errors.append(f"rollout.old_logprobs=engine needs one optimizer step per batch "
                       f"(trainer.ppo_epochs={trainer.ppo_epochs} and trainer.mini_batches="
                       f"{trainer.mini_batches} must both be 1)")
-    if rollout.async_rollout or rollout.importance_cap:
+    if rollout.async_rollout or rollout.max_staleness or rollout.importance_cap:
         errors.append("rollout.old_logprobs=engine needs on-policy batches without "
-                      "importance sampling (rollout.async_rollout=false, importance_cap=0)")
+                      "importance sampling (rollout.async_rollout=false, max_staleness=0, "
+                      "importance_cap=0)")
     return errors
 
 
@@ -202,7 +240,7 @@ def validate_dataset_job(config: JobConfig, world_size: int, section: str,
     (sft, rm, dpo): its own fields and the chat-template mode its prompts are encoded with."""
     config = validate(config, world_size)
     dp_size = config.parallel.data_parallel_size(world_size)
-    errors = getattr(config, section).errors(dp_size)
+    errors = getattr(config, section).errors(dp_size) + colocated_only_errors(config)
     if config.data.chat_template_mode() not in CHAT_TEMPLATE_MODES:
         errors.append(f"data.apply_chat_template={config.data.apply_chat_template!r} must be "
                       f"one of {', '.join(CHAT_TEMPLATE_MODES)}")
@@ -212,9 +250,17 @@ def validate_dataset_job(config: JobConfig, world_size: int, section: str,
     return config
 
 
+def colocated_only_errors(config: JobConfig) -> list[str]:
+    """Split placement is for RL jobs: every other job trains on every rank."""
+    if not config.placement.split:
+        return []
+    return [f"placement.rollout_ranks={config.placement.rollout_ranks} is for RL jobs "
+            "(mcore-rl train); this job trains on every rank"]
+
+
 def _rl_batch_errors(config: JobConfig, world_size: int) -> list[str]:
     """Each data-parallel rank's share of a step must cut into whole mini- and micro-batches."""
-    dp_size = config.parallel.data_parallel_size(world_size)
+    dp_size = config.parallel.data_parallel_size(config.placement.trainer_ranks(world_size))
     prompts = config.rollout.prompts_per_step
     if prompts % dp_size:
         return [f"rollout.prompts_per_step={prompts} must be divisible by the data-parallel "

@@ -21,6 +21,7 @@ OVERLONG_RESPONSES = ("keep", "filter", "penalty")
 IMPORTANCE_LEVELS = ("token", "sequence")
 IMPORTANCE_MODES = ("truncate", "mask")
 OLD_LOGPROB_SOURCES = ("trainer", "engine")
+PARTIAL_ROLLOUTS = ("continue", "abort")
 WANDB_MISSING = ("trainer.wandb_project is set but wandb is not installed: pip install wandb "
                  "(or unset trainer.wandb_project)")
 
@@ -147,9 +148,27 @@ class RolloutConfig:
     """Where the PPO ratio's old log-probs come from. trainer: a forward pass of the actor over
     the batch before the update (exact PPO). engine: the engine's sampling log-probs (verl's
     bypass mode), saving that forward pass; only for batches used for one on-policy optimizer
-    step (trainer.ppo_epochs=1, trainer.mini_batches=1, async_rollout=false, importance_cap=0),
-    where the two differ by the engine/trainer mismatch alone (a trainer run's
-    rollout/logprob_mismatch metrics say how much)."""
+    step (trainer.ppo_epochs=1, trainer.mini_batches=1, async_rollout=false, max_staleness=0,
+    importance_cap=0), where the two differ by the engine/trainer mismatch alone (a trainer
+    run's rollout/logprob_mismatch metrics say how much)."""
+
+    max_staleness: int = 0
+    """Split placement: a sample trains at most this many policy versions after the version
+    whose weights started it (the batch of step i is started with weights of version >= i - k;
+    the rollout ranks pause rather than run further ahead). 0 is synchronous and on-policy: the
+    rollout ranks wait for each new version. k >= 1 overlaps generating the next batches with
+    training on the current one; pair it with importance_cap (off-policy correction)."""
+
+    partial_rollout: str = "continue"
+    """Split placement, what a weight update does to responses still being generated: continue
+    (they keep their tokens and go on with the new weights; every token's behaviour log-prob
+    and the version that sampled it are recorded) or abort (they are dropped and started again
+    with the new weights)."""
+
+    update_check_steps: int = 8
+    """Split placement: engine iterations (one token for every running response) between two
+    looks for new weights or requests on the rollout ranks. Smaller lets an update land sooner
+    (the trainers wait less for the rollout ranks to take it), larger costs fewer checks."""
 
     def importance_correction(self) -> "ImportanceCorrection":
         return ImportanceCorrection(self.importance_cap, self.importance_floor,
@@ -193,6 +212,13 @@ class RolloutConfig:
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
             errors.append(f"rollout.old_logprobs={self.old_logprobs!r} must be one of "
                           f"{OLD_LOGPROB_SOURCES}")
+        if self.max_staleness < 0:
+            errors.append(f"rollout.max_staleness={self.max_staleness} must be >= 0")
+        if self.partial_rollout not in PARTIAL_ROLLOUTS:
+            errors.append(f"rollout.partial_rollout={self.partial_rollout!r} must be one of "
+                          f"{PARTIAL_ROLLOUTS}")
+        if self.update_check_steps < 1:
+            errors.append(f"rollout.update_check_steps={self.update_check_steps} must be >= 1")
         if self.importance_mode == "mask" and not 0 <= self.importance_floor < \
                 self.importance_cap:
             errors.append(f"rollout.importance_floor={self.importance_floor} must be in [0, "

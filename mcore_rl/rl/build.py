@@ -14,22 +14,27 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config import ConfigError, InitConfig, JobConfig
+from mcore_rl.algorithms import unregistered_names
+from mcore_rl.config import ConfigError, InitConfig, JobConfig, validate_rl
 from mcore_rl.config.parallel import AUTO_ORDER
 from mcore_rl.conversion.export import hf_architecture
+from mcore_rl.conversion.model_source import with_model_from_init
 from mcore_rl.models import DTYPES, build_gpt_model
 from mcore_rl.models.pretrained import build_from_init
 from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
-from mcore_rl.resharding.layouts import DEFAULT_ORDER
+from mcore_rl.resharding.layouts import DEFAULT_ORDER, TrainingLayout
+from mcore_rl.resharding.plan import ReshardPlan
 from mcore_rl.resharding.rank_order import choose_training_order
 from mcore_rl.rewards import RuleRewards
 from mcore_rl.roles import Actor, Critic, Reference, RewardModel, RuleReward
-from mcore_rl.runtime import seed_everything
+from mcore_rl.runtime import LaunchEnv, seed_everything
 from mcore_rl.runtime.agreement import raise_on_any_rank
+from mcore_rl.runtime.transport import Transport
 from mcore_rl.rollout import MegatronEngine, RolloutEngine
 from mcore_rl.training import make_trainable
 
+from .api import with_actor_model
 from .data import TrainingData
 from .weight_sync import WeightSync
 
@@ -125,15 +130,32 @@ def critic_init(config: JobConfig) -> InitConfig:
     return InitConfig.from_path(path) if path else config.init
 
 
+def settled_config(config: JobConfig, launch: LaunchEnv, actor_model: str | None = None,
+                   critic_model: str | None = None) -> JobConfig:
+    """The job's config with the starting models applied (HF folders or mcore_rl checkpoints
+    overriding init / critic.init_path), the model read from them, every rule checked and the
+    rank order chosen: what every rank of the job (either side in split placement) runs with."""
+    if actor_model is not None:
+        config = with_actor_model(config, actor_model)
+    if critic_model is not None:
+        config = dataclasses.replace(config, critic=dataclasses.replace(
+            config.critic, init_path=critic_model))
+    config = with_model_from_init(config)
+    config = validate_rl(config, launch.world_size, unregistered_names(config.algorithm))
+    trainers = config.placement.trainer_ranks(launch.world_size)
+    return with_rank_order(config, min(launch.ranks_per_node, trainers), trainers)
+
+
 def with_rank_order(config: JobConfig, ranks_per_node: int, world_size: int) -> JobConfig:
     """The config with parallel.rank_order settled: `auto` is, for a job generating with vLLM,
     the order that moves the fewest bytes into vLLM's tensor-parallel groups
-    (`resharding.rank_order`), and Megatron's default otherwise."""
+    (`resharding.rank_order`), and Megatron's default otherwise (also in split placement, where
+    no rank holds both a training shard and an engine shard)."""
     parallel = config.parallel
     if parallel.rank_order != AUTO_ORDER:
         return config
     order = DEFAULT_ORDER
-    if config.rollout.engine == "vllm":
+    if config.rollout.engine == "vllm" and not config.placement.split:
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
         order = choose_training_order(config.model, tp, pp, world_size // (tp * pp),
                                       config.rollout.rollout_tp, ranks_per_node)
@@ -150,7 +172,9 @@ def build_engine_and_roles(config: JobConfig, device: torch.device
     actor's module."""
     length = config.sequence_length()
     if config.rollout.engine == "vllm":
-        engine, weight_sync = build_vllm_engine(config, length)
+        training = megatron_training_layout(config.model, config.parallel.megatron_order())
+        engine, weight_sync = build_vllm_engine(config, length, weight_plan(config, training))
+        engine.sleep()
         # vLLM seeds torch with its own per-instance seed: reseed, or randomly initialised
         # data-parallel replicas would start from different weights.
         seed_everything(config.runtime.seed)
@@ -160,11 +184,32 @@ def build_engine_and_roles(config: JobConfig, device: torch.device
     return engine, None, roles
 
 
-def build_vllm_engine(config: JobConfig, context: int, weight_layout: str = "vllm"):
-    """A sleeping vLLM engine for sequences of `context` tokens and the weight sync feeding
-    it each rank's rollout-TP shard, after the engine has checked the plan's shards against
-    its parameters (on every rank together, before any byte moves). weight_layout="full" is
-    the diagnostic form (full tensors to every rank) benchmarks compare against."""
+def training_layout(config: JobConfig, job_world_size: int) -> TrainingLayout:
+    """The training layout the settled config describes (over the trainer ranks in split
+    placement), without Megatron's parallel state: what the rollout ranks plan with."""
+    parallel = config.parallel
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    trainers = config.placement.trainer_ranks(job_world_size)
+    return TrainingLayout(config.model, tp, pp, trainers // (tp * pp),
+                          tuple(parallel.megatron_order().split("-")))
+
+
+def weight_plan(config: JobConfig, training: TrainingLayout,
+                weight_layout: str = "vllm") -> ReshardPlan:
+    """The resharding plan from `training` to the engine's layout: over the same ranks when
+    colocated, over the rollout ranks after the trainers in split placement."""
+    rollout = make_rollout_layout(training, weight_layout, config.rollout.rollout_tp,
+                                  rollout_ranks=config.placement.rollout_ranks)
+    return build_plan(training, rollout, DTYPES[config.runtime.precision])
+
+
+def build_vllm_engine(config: JobConfig, context: int, plan: ReshardPlan,
+                      transport: Transport | None = None):
+    """A vLLM engine (awake) for sequences of `context` tokens over this side's world, and the
+    weight sync feeding it its shards of `plan` (through `transport`: the bridge in split
+    placement), after the engine has checked the plan's shards against its parameters (on
+    every rank together, before any byte moves). A plan to the ``full`` layout is the
+    diagnostic form (full tensors to every rank) benchmarks compare against."""
     from mcore_rl.rollout.vllm_engine import VllmEngine, write_config_folder
 
     architecture = hf_architecture(config)
@@ -172,18 +217,14 @@ def build_vllm_engine(config: JobConfig, context: int, weight_layout: str = "vll
     if dist.get_rank() == 0:
         write_config_folder(config.model, architecture, folder)
     dist.barrier()
-    dtype = DTYPES[config.runtime.precision]
-    rollout = config.rollout
-    engine = VllmEngine(folder, config.model, architecture, rollout.rollout_tp, context, dtype,
-                        seed=config.runtime.seed,
+    rollout, weight_layout = config.rollout, plan.rollout.engine
+    engine = VllmEngine(folder, config.model, architecture, rollout.rollout_tp, context,
+                        plan.dtype, seed=config.runtime.seed,
                         gpu_memory_utilization=rollout.gpu_memory_utilization,
                         cuda_graphs=rollout.cuda_graphs, sleep_level=rollout.sleep_level,
                         timeout_minutes=config.runtime.collective_timeout_minutes,
                         weight_layout=weight_layout)
-    engine.sleep()
-    training = megatron_training_layout(config.model, config.parallel.megatron_order())
-    plan = build_plan(training, make_rollout_layout(training, weight_layout, rollout.rollout_tp),
-                      dtype)
+    resharder = Resharder(plan, rollout.sync_bucket_mb * 2 ** 20, transport)
     if weight_layout == "vllm":
-        engine.check_plan(plan.wanted_shapes(dist.get_rank()), plan.dtype)
-    return engine, WeightSync(Resharder(plan, rollout.sync_bucket_mb * 2 ** 20), engine)
+        engine.check_plan(plan.wanted_shapes(resharder.rank), plan.dtype)
+    return engine, WeightSync(resharder, engine)

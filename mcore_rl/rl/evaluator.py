@@ -8,30 +8,26 @@ everyone's samples, so every evaluator computes the same numbers everywhere.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch.distributed as dist
 
 from mcore_rl.algorithms.kl import kl_estimate
 from mcore_rl.config import JobConfig
 from mcore_rl.evaluation import EvalSamples, Evaluator, default_evaluators, run_evaluators
 from mcore_rl.observability.step_metrics import SumsAndCounts
-from mcore_rl.roles import Scorer
 from mcore_rl.training.batches import pad_rows_to_multiple
 
 from .data import TrainingData
-from .generator import PolicyGenerator
 
 
 class RLEvaluator:
     """Runs every evaluation of an RL job (collective)."""
 
-    def __init__(self, config: JobConfig, data: TrainingData, generator: PolicyGenerator,
-                 scorer: Scorer, roles, dp_group):
+    def __init__(self, config: JobConfig, data: TrainingData, responses, roles, dp_group):
+        """responses(step) -> (records, generation, results): this rank's validation prompts
+        answered by the current policy and scored (the rollout scheduler's `validation`)."""
         self.config = config
         self.data = data
-        self.generator = generator
-        self.scorer = scorer
+        self.responses = responses
         self.roles = roles
         self.dp_group = dp_group
         self.evaluators: list[Evaluator] = default_evaluators()
@@ -41,12 +37,7 @@ class RLEvaluator:
         """Generate `rollout.eval_sampling` responses to the validation prompts, score them and
         run the evaluators (each given `trainer`); with a reference model also the KL of the
         policy to it on these responses."""
-        records, token_ids = self.data.validation_shard()
-        sampling = dataclasses.replace(self.config.rollout.eval_sampling,
-                                       stop_token_ids=self.data.stop_token_ids,
-                                       seed=self.config.runtime.seed)
-        generation = self.generator.generate(token_ids, sampling)
-        generation, results = self.scorer.score(generation, records, f"step{step}")
+        records, generation, results = self.responses(step)
         metrics = {}
         if self.roles.reference is not None:
             metrics["eval/kl_to_reference"] = self._kl_to_reference(generation)

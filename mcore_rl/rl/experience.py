@@ -81,11 +81,19 @@ class Rollout:
     """One RewardResult per completion."""
 
     version: int = 0
-    """The policy version (updates applied) whose weights generated it."""
+    """The policy version (updates applied) whose weights generated it (the oldest that
+    started one of its responses, where they differ)."""
 
     @property
     def scores(self) -> list[float]:
         return [result.score for result in self.results]
+
+    def start_versions(self) -> torch.Tensor:
+        """The policy version whose weights started each response, in completion order (the
+        rollout's version unless the engine recorded versions per response)."""
+        return torch.tensor([completion.versions[0][1] if completion.versions else self.version
+                             for completion in self.generation.completions],
+                            dtype=torch.float64)
 
 
 def varied_groups(rollout: Rollout) -> list[int]:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config import JobConfig
+from mcore_rl.config.rollout import SamplingConfig
 from mcore_rl.observability.step_metrics import PhaseTimer, SumsAndCounts
 from mcore_rl.roles import Scorer
 from mcore_rl.runtime import print0
@@ -59,10 +60,38 @@ class RolloutScheduler:
     def rollout(self, records: list, token_ids: list, step: int, timer: PhaseTimer,
                 round_index: int = 0) -> Rollout:
         """Generate and score one round of prompts."""
-        generation = self.generator.generate(token_ids, self._sampling(step, round_index), timer)
+        sampling = training_sampling(self.config, self.data.stop_token_ids, step, round_index)
+        generation = self.generator.generate(token_ids, sampling, timer)
         with timer("reward"):
             generation, results = self.scorer.score(generation, records, f"step{step}")
         return Rollout(records, token_ids, generation, results, version=step)
+
+    def validation(self, step: int) -> tuple[list, object, list]:
+        """This rank's validation prompts answered with the current policy and scored:
+        (records, generation, results)."""
+        records, token_ids = self.data.validation_shard()
+        generation = self.generator.generate(
+            token_ids, evaluation_sampling(self.config, self.data.stop_token_ids))
+        generation, results = self.scorer.score(generation, records, f"step{step}")
+        return records, generation, results
+
+    def start(self, step: int) -> None:
+        """Nothing to set up: generation happens on these ranks, when a step asks."""
+
+    def policy_updated(self, version: int, timer: PhaseTimer) -> None:
+        """The actor's weights changed: the next generation syncs first."""
+        self.generator.policy_updated()
+
+    def add_metrics(self, stats: SumsAndCounts) -> None:
+        self.generator.add_metrics(stats)
+
+    def abandon(self, exit_code: int) -> None:
+        """Nothing to tell: every rank of the job runs the Trainer."""
+
+    def close(self, exit_code: int = 0) -> None:
+        """Stop the reward workers and the engine."""
+        self.scorer.close()
+        self.generator.engine.close()
 
     def greedy_scores(self, rollout: Rollout, step: int) -> torch.Tensor:
         """Score of the greedy response to each prompt (ReMax's baseline)."""
@@ -78,12 +107,6 @@ class RolloutScheduler:
 
     def load_state_dict(self, state: dict) -> None:
         self.pending = state["pending_rollout"]
-
-    def _sampling(self, step: int, round_index: int):
-        """Training sampling with the stop tokens and a seed fixed by the step and round."""
-        return dataclasses.replace(
-            self.config.rollout.sampling, stop_token_ids=self.data.stop_token_ids,
-            seed=(self.config.runtime.seed * 100_003 + step) * 101 + round_index)
 
     def _one_step_ahead(self, step: int, timer: PhaseTimer) -> Rollout:
         if self.pending is None:
@@ -134,6 +157,20 @@ class RolloutScheduler:
             micro_batch = math.lcm(micro_batch, _rows_per_micro_batch(config.critic))
         rows_unit = config.trainer.mini_batches * micro_batch
         return rows_unit // math.gcd(rows_unit, config.rollout.sampling.n)
+
+
+def training_sampling(config: JobConfig, stop_token_ids: tuple[int, ...], step: int,
+                      round_index: int = 0) -> SamplingConfig:
+    """Training sampling with the stop tokens and a seed fixed by the step and round."""
+    return dataclasses.replace(config.rollout.sampling, stop_token_ids=stop_token_ids,
+                               seed=(config.runtime.seed * 100_003 + step) * 101 + round_index)
+
+
+def evaluation_sampling(config: JobConfig, stop_token_ids: tuple[int, ...]) -> SamplingConfig:
+    """Evaluation sampling with the stop tokens and the run's seed (every evaluation samples
+    alike)."""
+    return dataclasses.replace(config.rollout.eval_sampling, stop_token_ids=stop_token_ids,
+                               seed=config.runtime.seed)
 
 
 def _rows_per_micro_batch(role_config) -> int:

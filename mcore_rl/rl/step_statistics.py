@@ -45,14 +45,13 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
         stats.add("critic/error_square", (returns - values).square(), response)
 
 
-def off_policy_statistics(batch: dict, staleness: int, correction: ImportanceCorrection,
-                          stats: SumsAndCounts) -> None:
-    """How far off-policy the batch is: policy versions between generating and training it, and
-    the importance weights the actor's loss will apply (with their masked fraction)."""
-    rows = batch["input_ids"].shape[0]
-    lag = torch.full((rows,), float(staleness), dtype=torch.float64)
-    stats.add("rollout/staleness_mean", lag)
-    stats.add_max("rollout/staleness_max", lag)
+def off_policy_statistics(batch: dict, staleness: torch.Tensor,
+                          correction: ImportanceCorrection, stats: SumsAndCounts) -> None:
+    """How far off-policy the batch is: policy versions between starting each response
+    (`staleness`, one per row) and training on it, and the importance weights the actor's loss
+    will apply (with their masked fraction)."""
+    stats.add("rollout/staleness_mean", staleness)
+    stats.add_max("rollout/staleness_max", staleness)
     if not correction.enabled:
         return
     mask = batch["loss_mask"].double()

@@ -23,11 +23,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from mcore_rl.algorithms import unregistered_names
 from mcore_rl.algorithms.kl import KLController
-from mcore_rl.config import JobConfig, to_yaml, validate_rl
+from mcore_rl.config import JobConfig, to_yaml
 from mcore_rl.config.rollout import PromptConfig
-from mcore_rl.conversion.model_source import with_model_from_init
 from mcore_rl.evaluation import Evaluator
 from mcore_rl.observability import METRICS_FILE, refuse_earlier_run
 from mcore_rl.observability.step_metrics import (MetricsLogger, PhaseTimer, SumsAndCounts,
@@ -35,20 +33,20 @@ from mcore_rl.observability.step_metrics import (MetricsLogger, PhaseTimer, Sums
 from mcore_rl.observability.timeline import Timeline
 from mcore_rl.roles import Scorer
 from mcore_rl.runtime import initialize, print0, shutdown
-from mcore_rl.runtime.launch_env import LaunchEnv, read_launch_env
+from mcore_rl.runtime.launch_env import read_launch_env
 from mcore_rl.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from mcore_rl.runtime.progress import progress
 from mcore_rl.training import checkpointer
 from mcore_rl.training.balance import balance_over_data_parallel
 from mcore_rl.training.offload import HostParking
 
-from .api import with_actor_model
-from .build import build_engine_and_roles, build_rule_reward, with_rank_order
+from .build import build_engine_and_roles, build_roles, build_rule_reward, settled_config
 from .data import load_training_data
 from .evaluator import RLEvaluator
 from .experience import add_advantages, add_forward_passes, make_experience, mini_batches
 from .generator import PolicyGenerator
 from .rollout_scheduler import RolloutScheduler
+from .split.remote_rollouts import RemoteRollouts
 from .step_statistics import derived_metrics, off_policy_statistics, rollout_statistics
 
 
@@ -84,7 +82,11 @@ class Trainer:
         ground_truth, extra_info) -> float | dict used for every sample instead of the reward
         registry."""
         launch = read_launch_env()
-        config = self.config = _settled(config, launch, actor_model, critic_model)
+        config = self.config = settled_config(config, launch, actor_model, critic_model)
+        if config.placement.side_of(launch.rank, launch.world_size) == "rollout":
+            raise ValueError(f"rank {launch.rank} is a rollout rank of split placement "
+                             f"(placement.rollout_ranks={config.placement.rollout_ranks}): run "
+                             "mcore_rl.rl.run_training(config) on every rank")
         self.preemption = PreemptionFlag(config.trainer.save_signal)
         self.preempted = False
         """Whether fit() stopped early on trainer.save_signal (after saving)."""
@@ -100,19 +102,15 @@ class Trainer:
         model_parallel = parallel_state.get_model_parallel_group()
         self.data = load_training_data(config, parallel_state.get_data_parallel_rank(),
                                        parallel_state.get_data_parallel_world_size())
-        rule_reward = build_rule_reward(config, self.data, reward_fn, is_scorer=dist.get_rank()
-                                        == dist.get_process_group_ranks(model_parallel)[0])
-        engine, weight_sync, self.roles = build_engine_and_roles(config, self.runtime.device)
-        parkings = [HostParking(role.trainable) for role, role_config in
-                    ((self.roles.actor, config.actor), (self.roles.critic, config.critic))
-                    if role is not None and role_config.offload]
-        self.generator = PolicyGenerator(engine, weight_sync, self.roles.actor, parkings,
-                                         PromptConfig(max_prompt_tokens=config.data.max_prompt_tokens))
-        self.scorer = Scorer(rule_reward, self.roles.reward_model, self.data.pad_id,
-                             model_parallel)
-        self.scheduler = RolloutScheduler(config, self.data, self.generator, self.scorer,
-                                          self.dp_group)
-        self.evaluator = RLEvaluator(config, self.data, self.generator, self.scorer, self.roles,
+        if self.runtime.split is None:
+            self.roles, self.scheduler = _colocated_rollouts(config, self.data, reward_fn,
+                                                              self.runtime, model_parallel,
+                                                              self.dp_group)
+        else:
+            self.roles = build_roles(config, self.runtime.device)
+            self.scheduler = RemoteRollouts(config, self.data, self.runtime.split,
+                                            self.roles.actor)
+        self.evaluator = RLEvaluator(config, self.data, self.scheduler.validation, self.roles,
                                      self.dp_group)
         algorithm = config.algorithm
         self.kl_controller = KLController(algorithm.kl_coef, algorithm.kl_controller == "adaptive",
@@ -126,6 +124,7 @@ class Trainer:
                               to_yaml(config))
         if config.trainer.resume:
             self._resume()
+        self.scheduler.start(self.step)
         self.preemption.arm()
 
     # -- the step ---------------------------------------------------------------------------
@@ -146,9 +145,9 @@ class Trainer:
             add_advantages(batch, self.config.algorithm, self.kl_controller, self.dp_group, stats)
         rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats,
                            mismatch=self.config.rollout.old_logprobs == "trainer")
-        off_policy_statistics(batch, self.step - rollout.version,
+        off_policy_statistics(batch, self.step - rollout.start_versions(),
                               self.config.rollout.importance_correction(), stats)
-        self.generator.add_metrics(stats)
+        self.scheduler.add_metrics(stats)
         if self.config.trainer.balance_data_parallel:
             with timer("balance"):
                 batch = self._balanced(batch, stats)
@@ -161,7 +160,6 @@ class Trainer:
         timer, batch = experience.timer, experience.batch
         updates = SumsAndCounts()
         skipped = False
-        self.generator.policy_updated()
         with timer("update"):
             for _ in range(self.config.trainer.ppo_epochs):
                 for mini_batch in mini_batches(batch, self.config.trainer.mini_batches):
@@ -173,6 +171,7 @@ class Trainer:
                                    if name.endswith("update_skipped"))
                     for name, value in metrics.items():
                         updates.add(name, torch.tensor([value]))
+        self.scheduler.policy_updated(self.step + 1, timer)
         metrics = derived_metrics(experience.stats.reduce(self.dp_group))
         metrics.update(updates.means())  # already global: every rank holds the same values
         metrics.update(timer.metrics())
@@ -303,27 +302,33 @@ class Trainer:
         self.scheduler.load_state_dict(state["rank_state"])
         print0(f"resumed from step {self.step} ({self.checkpoint_dir})")
 
+    def abandon(self, exit_code: int) -> None:
+        """After an error on this rank: ask the rollout ranks of split placement to exit with
+        `exit_code` instead of waiting for their timeout (no collective)."""
+        self.scheduler.abandon(exit_code)
+
     def close(self) -> None:
-        """Stop reward workers and TensorBoard, and leave the process group."""
-        self.scorer.close()
+        """Stop reward workers, the engine (or the rollout ranks, with this run's exit status)
+        and TensorBoard, and leave the process group."""
+        self.scheduler.close(PREEMPTED_EXIT_CODE if self.preempted else 0)
         self.logger.close()
         self.timeline.close()
-        self.generator.engine.close()
         shutdown()
 
 
-def _settled(config: JobConfig, launch: LaunchEnv, actor_model: str | None,
-             critic_model: str | None) -> JobConfig:
-    """The job's config with the starting models applied, the model read from them, every rule
-    checked and the rank order chosen."""
-    if actor_model is not None:
-        config = with_actor_model(config, actor_model)
-    if critic_model is not None:
-        config = dataclasses.replace(config, critic=dataclasses.replace(
-            config.critic, init_path=critic_model))
-    config = with_model_from_init(config)
-    config = validate_rl(config, launch.world_size, unregistered_names(config.algorithm))
-    return with_rank_order(config, launch.ranks_per_node, launch.world_size)
+def _colocated_rollouts(config: JobConfig, data, reward_fn, runtime, model_parallel, dp_group):
+    """The roles and the rollout scheduler when every rank trains and generates: the engine on
+    these ranks, the rule rewards on the first rank of each model-parallel group."""
+    rule_reward = build_rule_reward(config, data, reward_fn, is_scorer=dist.get_rank()
+                                    == dist.get_process_group_ranks(model_parallel)[0])
+    engine, weight_sync, roles = build_engine_and_roles(config, runtime.device)
+    parkings = [HostParking(role.trainable) for role, role_config in
+                ((roles.actor, config.actor), (roles.critic, config.critic))
+                if role is not None and role_config.offload]
+    generator = PolicyGenerator(engine, weight_sync, roles.actor, parkings,
+                                PromptConfig(max_prompt_tokens=config.data.max_prompt_tokens))
+    scorer = Scorer(rule_reward, roles.reward_model, data.pad_id, model_parallel)
+    return roles, RolloutScheduler(config, data, generator, scorer, dp_group)
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -4,11 +4,12 @@
 it is the one module that imports vllm, which is optional on training-only machines.
 """
 
-from .engine import Completion, EngineError, Generation, RolloutEngine
+from .engine import (Completion, EngineError, FinishedSample, Generation, RolloutEngine,
+                     SampleRequest)
 from .megatron_engine import MegatronEngine
 from .mismatch import logprob_mismatch
 from .prompts import PreparedPrompts, PromptError, check_request, prepare_prompts
 
-__all__ = ["Completion", "EngineError", "Generation", "MegatronEngine", "PreparedPrompts",
-           "PromptError", "RolloutEngine", "check_request", "logprob_mismatch",
-           "prepare_prompts"]
+__all__ = ["Completion", "EngineError", "FinishedSample", "Generation", "MegatronEngine",
+           "PreparedPrompts", "PromptError", "RolloutEngine", "SampleRequest", "check_request",
+           "logprob_mismatch", "prepare_prompts"]

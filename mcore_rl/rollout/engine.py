@@ -48,6 +48,12 @@ class Completion:
     finish_reason: str
     """"stop" (a stop token or string ended it) or "length" (max_new_tokens reached)."""
 
+    versions: tuple[tuple[int, int], ...] = ()
+    """Split placement: (first token, policy version) of each stretch of tokens sampled with
+    one version of the weights, the first being the version that started the response (a
+    partial rollout continued across weight updates has several). Empty: every token was
+    sampled with the weights of the batch's version."""
+
 
 @dataclass
 class Generation:
@@ -93,6 +99,42 @@ class Generation:
                 "response_mask": response_mask, "engine_logprobs": engine_logprobs}
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """One response to generate through an engine's streaming interface (split placement): the
+    caller adds requests, steps the engine and collects responses as each one finishes, and
+    can load new weights or abort requests between steps."""
+
+    key: str
+    """Unique among the requests in flight."""
+
+    prompt: list[int]
+    """Prompt token ids."""
+
+    sampling: SamplingConfig
+    """Sampling of this response (`n` is ignored: one response; `seed` must be set)."""
+
+    prompt_position: int
+    """The prompt's index in this engine instance's share of its batch, and"""
+
+    sample_index: int
+    """which of the prompt's samples this is: with `sampling.seed` they fix the response's
+    random numbers, as `generate` fixes those of sample `sample_index` of prompt
+    `prompt_position` (the same request samples the same either way)."""
+
+
+@dataclass(frozen=True)
+class FinishedSample:
+    """A streamed response that has finished."""
+
+    key: str
+    token_ids: list[int]
+    logprobs: list[float]
+    """As in Completion: the log-prob each token was sampled with (whatever weights the engine
+    held when it sampled that token)."""
+    finish_reason: str
+
+
 class RolloutEngine(abc.ABC):
     """A text-generation engine hosted by the ranks of the training world."""
 
@@ -127,6 +169,31 @@ class RolloutEngine(abc.ABC):
     def wake(self) -> None:
         """Make the engine ready to generate again (the KV cache, and the weights if
         `wake_weights` was not called)."""
+
+    supports_streaming: bool = False
+    """Whether the streaming interface below (add_requests, step, abort) is implemented."""
+
+    def add_requests(self, requests: Sequence[SampleRequest]) -> None:
+        """Queue responses to generate (every rank of an engine instance adds the same ones)."""
+        raise NotImplementedError(f"{type(self).__name__} has no streaming interface")
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is in flight on any engine instance (collective over all of
+        them: every rank must call it at the same point)."""
+        raise NotImplementedError(f"{type(self).__name__} has no streaming interface")
+
+    def step(self) -> list[FinishedSample]:
+        """One engine iteration (about one token for every running request; collective like
+        has_unfinished); the responses that finished in it."""
+        raise NotImplementedError(f"{type(self).__name__} has no streaming interface")
+
+    def generated_lengths(self) -> dict[str, int]:
+        """Tokens generated so far by every request in flight, by key."""
+        raise NotImplementedError(f"{type(self).__name__} has no streaming interface")
+
+    def abort(self, keys: Iterable[str]) -> None:
+        """Drop these requests (their tokens so far are discarded)."""
+        raise NotImplementedError(f"{type(self).__name__} has no streaming interface")
 
     def close(self) -> None:
         """Release the engine before the process group goes (collective; default: nothing)."""

@@ -50,7 +50,8 @@ from mcore_rl.resharding.delivery import hf_named
 from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.progress import progress, progress_enabled
 
-from .engine import Completion, EngineError, Generation, RolloutEngine
+from .engine import (Completion, EngineError, FinishedSample, Generation, RolloutEngine,
+                     SampleRequest)
 from .prompt_pool import default_shard_key, pool_requests
 
 SUPPORTED_VLLM = ">=0.32,<0.33"
@@ -91,6 +92,8 @@ class VllmEngine(RolloutEngine):
         self._layer_completed_by: set[str] | None = None
         """Shard names (in the checked plan's order) after which a layer has all its weights."""
         self._calls = 0
+        self._streams: dict[str, tuple[list[int], list[float]]] = {}
+        """Streamed requests in flight: their tokens and log-probs so far."""
         self._sleeping = False
         self._weights_mapped = True
         self._sleep_mode = _sleep_mode_available()
@@ -133,7 +136,7 @@ class VllmEngine(RolloutEngine):
         # schedule on the group's ranks); seeds follow the pooled index, so every rank agrees.
         outputs = self.llm.generate(
             [{"prompt_token_ids": prompt} for prompt in requests.prompts],
-            [self._sampling_params(each, call_seed + index)
+            [self._sampling_params(each, self._request_seed(each, call_seed + index))
              for index, each in enumerate(requests.samplings)],
             use_tqdm=_vllm_progress if progress_enabled() else False)
         mine = requests.mine
@@ -147,20 +150,75 @@ class VllmEngine(RolloutEngine):
         return Generation.finished(completions, requests.prompts[mine], requests.truncated,
                                    started)
 
-    def _sampling_params(self, sampling: SamplingConfig, offset: int):
-        from vllm import SamplingParams
-
+    def _request_seed(self, sampling: SamplingConfig, offset: int) -> int:
+        """The seed of request `offset` of this instance's list (sample j: this + j)."""
         # Each engine instance (a group of rollout_tp consecutive ranks) draws its own stream:
         # with one seed everywhere, request i of every instance would share its random numbers
         # and the data-parallel ranks' samples would be correlated.
         instance = dist.get_rank() // self.rollout_tp
         base = self.seed if sampling.seed is None else sampling.seed
-        seed = (base * 7919 + instance * 1_000_003 + offset) % 2 ** 63
-        return SamplingParams(
+        return (base * 7919 + instance * 1_000_003 + offset) % 2 ** 63
+
+    def _sampling_params(self, sampling: SamplingConfig, seed: int, **overrides):
+        from vllm import SamplingParams
+
+        settings = dict(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, max_tokens=sampling.max_new_tokens,
             stop_token_ids=list(sampling.stop_token_ids), stop=list(sampling.stop) or None,
             seed=seed, logprobs=0, detokenize=self.has_tokenizer)
+        return SamplingParams(**{**settings, **overrides})
+
+    # -- streaming (split placement) ---------------------------------------------------------
+    # vLLM's engine stepped by hand: requests are added one response each (what `generate`'s
+    # n-way fan-out does inside vLLM: sample j of a request gets the request's seed + j), each
+    # step returns the new tokens of every running request (DELTA outputs), kept here until the
+    # response finishes. Weights can be loaded between two steps.
+    supports_streaming = True
+
+    def add_requests(self, requests: Sequence[SampleRequest]) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._sleeping:
+            raise EngineError("add_requests() on a sleeping engine; call wake() first")
+        unseeded = [request.key for request in requests if request.sampling.seed is None]
+        if unseeded:
+            raise EngineError(f"streamed requests need sampling.seed: {unseeded[:3]}")
+        for request in requests:
+            seed = self._request_seed(request.sampling, request.prompt_position)
+            params = self._sampling_params(request.sampling, seed + request.sample_index, n=1,
+                                           output_kind=RequestOutputKind.DELTA)
+            self.llm.llm_engine.add_request(request.key,
+                                            {"prompt_token_ids": list(request.prompt)}, params)
+            self._streams[request.key] = ([], [])
+
+    def has_unfinished(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    def step(self) -> list[FinishedSample]:
+        finished = []
+        for output in self.llm.llm_engine.step():
+            if output.request_id not in self._streams:
+                continue  # aborted after this step's outputs were made
+            delta = output.outputs[0]
+            token_ids, logprobs = self._streams[output.request_id]
+            token_ids.extend(delta.token_ids)
+            logprobs.extend(entry[token].logprob
+                            for entry, token in zip(delta.logprobs, delta.token_ids))
+            if output.finished:
+                del self._streams[output.request_id]
+                finished.append(FinishedSample(
+                    output.request_id, token_ids, logprobs,
+                    "length" if delta.finish_reason == "length" else "stop"))
+        return finished
+
+    def generated_lengths(self) -> dict[str, int]:
+        return {key: len(token_ids) for key, (token_ids, _) in self._streams.items()}
+
+    def abort(self, keys: Iterable[str]) -> None:
+        keys = [key for key in keys if self._streams.pop(key, None) is not None]
+        if keys:
+            self.llm.llm_engine.abort_request(keys)
 
     # -- weights and memory -----------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

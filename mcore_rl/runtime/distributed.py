@@ -20,7 +20,8 @@ import torch.distributed as dist
 from ..config import JobConfig, validate
 from .devices import cuda_device_index
 from .launch_env import LaunchEnv, read_launch_env
-from .log import quiet_known_warnings, send_library_logs_to_file
+from .log import forget_job_rank, quiet_known_warnings, send_library_logs_to_file
+from .worlds import SplitWorld, start_split_worlds
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,15 @@ class Runtime:
 
     device: torch.device
     """Device this rank computes on."""
+
+    split: SplitWorld | None = None
+    """Split placement: this rank's side, its side's world and the bridge between the sides
+    (None when colocated: `launch` is then this rank's only world)."""
+
+    @property
+    def side(self) -> str:
+        """"trainer" or "rollout" in split placement; "colocated" otherwise."""
+        return self.split.side if self.split is not None else "colocated"
 
     @property
     def rank(self) -> int:
@@ -62,8 +72,16 @@ def initialize(config: JobConfig, launch: LaunchEnv | None = None) -> Runtime:
     if log_file and launch.rank == 0:
         print(f"library logs (vLLM, Megatron, transformers): {os.path.dirname(log_file)}/ "
               f"(MCORE_RL_LIBRARY_LOGS=console shows them here)", flush=True)
-    runtime = start_process_group(config.runtime.backend,
-                                  config.runtime.collective_timeout_minutes, launch)
+    if config.placement.split:
+        runtime = start_split_process_groups(config.placement.rollout_ranks,
+                                             config.runtime.backend,
+                                             config.runtime.collective_timeout_minutes, launch)
+    else:
+        runtime = start_process_group(config.runtime.backend,
+                                      config.runtime.collective_timeout_minutes, launch)
+    if runtime.side == "rollout":  # no Megatron model here: the engine is vLLM
+        seed_host_generators(config.runtime.seed)
+        return runtime
     _initialize_megatron(config)
     seed_everything(config.runtime.seed)
     return runtime
@@ -74,16 +92,7 @@ def start_process_group(backend: str = "auto", timeout_minutes: float = 10.0,
     """torch.distributed only (no Megatron model-parallel state), for jobs such as checkpoint
     conversion. Applies the CPU compatibility layer when CUDA is absent."""
     launch = launch or read_launch_env()
-    if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialized; call shutdown() first")
-    if not torch.cuda.is_available():
-        from . import cpu_compat
-        cpu_compat.apply()
-        device = torch.device("cpu")
-    else:
-        device = torch.device("cuda", cuda_device_index(launch.local_rank,
-                                                        torch.cuda.device_count()))
-        torch.cuda.set_device(device)
+    device = _prepare_device(launch)
     backend = choose_backend(backend)
     _export_launch_variables(launch)
     dist.init_process_group(backend=backend, init_method=f"tcp://{launch.master_addr}:"
@@ -92,6 +101,35 @@ def start_process_group(backend: str = "auto", timeout_minutes: float = 10.0,
                             timeout=datetime.timedelta(minutes=timeout_minutes),
                             device_id=device if device.type == "cuda" else None)
     return Runtime(launch=launch, backend=backend, device=device)
+
+
+def start_split_process_groups(rollout_ranks: int, backend: str = "auto",
+                               timeout_minutes: float = 10.0,
+                               launch: LaunchEnv | None = None) -> Runtime:
+    """Split placement (runtime.worlds): this rank's side world as the default process group,
+    and the bridge to the other side. The side's rank and size are exported as RANK and
+    WORLD_SIZE for the libraries inside the side (vLLM's external launcher reads them)."""
+    launch = launch or read_launch_env()
+    device = _prepare_device(launch)
+    backend = choose_backend(backend)
+    _export_launch_variables(launch)
+    split = start_split_worlds(launch, rollout_ranks, backend,
+                               datetime.timedelta(minutes=timeout_minutes))
+    os.environ.update(RANK=str(split.launch.rank), WORLD_SIZE=str(split.launch.world_size))
+    return Runtime(launch=launch, backend=backend, device=device, split=split)
+
+
+def _prepare_device(launch: LaunchEnv) -> torch.device:
+    """This rank's device, selected; the CPU compatibility layer applied when there is no GPU."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized; call shutdown() first")
+    if not torch.cuda.is_available():
+        from . import cpu_compat
+        cpu_compat.apply()
+        return torch.device("cpu")
+    device = torch.device("cuda", cuda_device_index(launch.local_rank, torch.cuda.device_count()))
+    torch.cuda.set_device(device)
+    return device
 
 
 def _export_launch_variables(launch: LaunchEnv) -> None:
@@ -122,10 +160,15 @@ def seed_everything(seed: int) -> None:
     seed + 2718 + tp_rank (tensor-parallel stream), so TP ranks draw different dropout masks."""
     from megatron.core import tensor_parallel
 
+    seed_host_generators(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def seed_host_generators(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (no Megatron tracker)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def shutdown() -> None:
@@ -139,4 +182,5 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    forget_job_rank()
 

@@ -69,8 +69,26 @@ def send_library_logs_to_file(output_dir: str, rank: int) -> str | None:
     return path
 
 
+_job_rank: int | None = None
+"""The rank in the whole job when the default process group is only one side of it (split
+placement: trainer ranks and rollout ranks each have their own world)."""
+
+
+def set_job_rank(rank: int) -> None:
+    """Make `is_rank0` answer for the job, not the side world (runtime.worlds calls it)."""
+    global _job_rank
+    _job_rank = rank
+
+
+def forget_job_rank() -> None:
+    global _job_rank
+    _job_rank = None
+
+
 def is_rank0() -> bool:
-    """True on global rank 0 or outside a distributed job."""
+    """True on the job's rank 0 or outside a distributed job."""
+    if _job_rank is not None:
+        return _job_rank == 0
     return not dist.is_initialized() or dist.get_rank() == 0
 
 

@@ -5,10 +5,11 @@ Megatron-Core builds its tensor/pipeline/data-parallel groups over the whole def
 the default world as its own. So when the last `rollout_ranks` ranks of a job only generate,
 each rank set gets a default world of its own: the trainer ranks 0..T-1 (Megatron sees a
 world of T) and the rollout ranks T..T+R-1 (vLLM sees a world of R, ranks renumbered from 0).
-Both are created on one rendezvous store under different prefixes, as is the bridge: a process
-group over all ranks in job order, through which weights go from trainers to engines
-(runtime/transport.py). Every group carries the collective timeout, so a rank that dies on
-one side ends the other side's waits with an error instead of a hang.
+Both are created on one rendezvous store under different prefixes, as are two groups over all
+ranks in job order: the bridge, through which weights go from trainers to engines
+(runtime/transport.py), and a gloo group for Python objects (runtime/messages.py). Every group
+carries the collective timeout, so a rank that dies on one side ends the other side's waits
+with an error instead of a hang.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .launch_env import LaunchEnv
+from .log import set_job_rank
 from .transport import BridgeTransport
 
 
@@ -38,7 +40,18 @@ class SplitWorld:
     """This side's own world: rank within the side, the side's size."""
 
     bridge: BridgeTransport
-    """All ranks of the job, in job order: the trainers first, then the rollout ranks."""
+    """All ranks of the job, in job order: the trainers first, then the rollout ranks. Carries
+    the weights (NCCL on GPUs)."""
+
+    messages: dist.ProcessGroup
+    """A gloo group over all ranks of the job, in job order: Python objects (batches, metrics)
+    from rollout ranks to trainer ranks, in host memory, never queued behind weights."""
+
+    store: dist.Store
+    """The job's rendezvous store, for small control messages between the sides."""
+
+    side_group: dist.ProcessGroup
+    """A gloo group over this side's world, for its Python-object collectives."""
 
 
 def side_of(job: LaunchEnv, rollout_ranks: int) -> tuple[str, LaunchEnv]:
@@ -67,9 +80,12 @@ def start_split_worlds(job: LaunchEnv, rollout_ranks: int, backend: str,
                             rank=launch.rank, world_size=launch.world_size, timeout=timeout,
                             device_id=device_id)
     bridge_store = dist.PrefixStore("mcore_rl/bridge", store)
-    return SplitWorld(side, job, launch,
-                      BridgeTransport(_bridge_group(backend, bridge_store, job, timeout),
-                                      bridge_store))
+    bridge = BridgeTransport(_bridge_group(backend, bridge_store, job, timeout), bridge_store)
+    messages = _bridge_group("gloo", dist.PrefixStore("mcore_rl/messages", store), job, timeout)
+    side_group = dist.new_group(backend="gloo", timeout=timeout)
+    set_job_rank(job.rank)
+    return SplitWorld(side, job, launch, bridge, messages,
+                      dist.PrefixStore("mcore_rl/control", store), side_group)
 
 
 def _bridge_group(backend: str, store: dist.Store, job: LaunchEnv,

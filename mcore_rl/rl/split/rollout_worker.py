@@ -1,0 +1,216 @@
+"""The rollout ranks of split placement: generate continuously, within the staleness bound.
+
+    loop:
+        send each complete, scored share the trainers have asked for
+        take the trainers' control messages (new weights, fetch, evaluate, stop); with nothing
+            to generate, wait for the next one
+        open every batch the bound allows: batch i starts with weights of version >= i - k
+        a few engine steps; score each group of responses as it completes
+
+Each engine instance (rollout.rollout_tp consecutive rollout ranks) generates its contiguous
+slice of every batch's prompts (and every instance-th validation prompt) through the engine's
+streaming interface, so new weights land between two engine steps. Responses in flight at an
+update continue with the new weights or start again (rollout.partial_rollout); either way no
+response trains more than max_staleness versions after the version that started it, because a
+batch is only opened once the weights are recent enough, and the rollout ranks pause instead.
+
+Only rollout rank 0 reads control messages (from the job's store); it passes them to the other
+rollout ranks at every check, so every rank adds, aborts and receives the same things at the
+same engine step. An instance's first rank scores (in a thread, beside generation) and sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import JobConfig
+from mcore_rl.observability.step_metrics import PhaseTimer
+from mcore_rl.observability.timeline import ROLLOUT_TIMELINE_FILE, Timeline
+from mcore_rl.runtime import initialize, read_launch_env, shutdown
+from mcore_rl.runtime.messages import ControlBoard, Outbox
+from mcore_rl.runtime.preemption import PreemptionFlag
+
+from ..build import build_rule_reward, build_vllm_engine, settled_config, training_layout, \
+    weight_plan
+from ..data import load_training_data
+from ..rollout_scheduler import evaluation_sampling, training_sampling
+from .book import InstanceBook
+from .group_scorer import GroupScorer
+from .protocol import Evaluate, Fetch, Share, Start, Stop, Weights
+
+
+class RolloutWorker:
+    """One rollout rank's part of a split-placement RL job (every rollout rank builds one)."""
+
+    def __init__(self, config: JobConfig, reward_fn=None):
+        launch = read_launch_env()
+        config = self.config = settled_config(config, launch)
+        PreemptionFlag(config.trainer.save_signal)  # ignored here: the trainers save and stop
+        runtime = initialize(config, launch)
+        self.split = runtime.split
+        self.data = load_training_data(config, dp_rank=0, dp_size=1)
+        tp = config.rollout.rollout_tp
+        self.instance, self.instances = dist.get_rank() // tp, dist.get_world_size() // tp
+        self.is_leader = dist.get_rank() % tp == 0
+        """The instance's first rank: it scores and sends the instance's shares."""
+        rule_reward = build_rule_reward(config, self.data, reward_fn, is_scorer=self.is_leader)
+        self.scorer = GroupScorer(rule_reward) if self.is_leader else None
+        plan = weight_plan(config, training_layout(config, launch.world_size))
+        self.engine, self.weight_sync = build_vllm_engine(config, config.sequence_length(),
+                                                          plan, self.split.bridge)
+        self.control = ControlBoard(self.split.store, datetime.timedelta(
+            minutes=config.runtime.collective_timeout_minutes))
+        self.outbox = Outbox(self.split.messages)
+        self.book = InstanceBook()
+        self.timer = PhaseTimer()
+        self.timeline = Timeline(config.runtime.output_dir, ROLLOUT_TIMELINE_FILE,
+                                 first_rank=launch.world_size - dist.get_world_size(),
+                                 group=self.split.side_group)
+        self.version: int | None = None
+        """The policy version of the engine's weights (None before the first)."""
+        self.next_batch = 0
+        """The step whose batch opens next."""
+        self.wanted: set[tuple[str, int]] = set()
+        """Shares the trainers have asked for and not received yet."""
+        self.syncs: list[tuple[float, float, float]] = []
+        """Weight syncs since this instance's last share: (bytes, seconds, peak MB), maxima
+        over the rollout ranks."""
+
+    def run(self) -> int:
+        """Serve the trainers until they say stop; returns the exit status they give."""
+        busy = False
+        while True:
+            self._send_complete_shares(wait=not busy)  # nothing is owed while we wait below
+            for message in self._control(wait=not busy):
+                if isinstance(message, Stop):
+                    self.engine.abort(self.book.keys())
+                    return message.exit_code
+                self._handle(message)
+            self._send_complete_shares(wait=False)  # a batch asked for just now, if scored
+            self._open_batches()
+            busy = self._generate()
+
+    def close(self) -> None:
+        self.timeline.record(self.version or 0, self.timer.intervals)
+        self.timeline.close()
+        if self.scorer is not None:
+            self.scorer.close()
+        self.engine.close()
+        shutdown()
+
+    # -- control ---------------------------------------------------------------------------------
+    def _control(self, wait: bool) -> list:
+        """The trainers' new control messages, the same on every rollout rank (collective);
+        with `wait`, at least one (there is nothing else to do)."""
+        with self.timer("wait") if wait else contextlib.nullcontext():
+            box = [self._read_control(wait) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0, group=self.split.side_group)
+        return box[0]
+
+    def _read_control(self, wait: bool) -> list:
+        messages = []
+        message = self.control.wait() if wait else self.control.poll()
+        while message is not None:
+            messages.append(message)
+            message = self.control.poll()
+        return messages
+
+    def _handle(self, message) -> None:
+        if isinstance(message, Start):
+            self.data.sampler.load_state_dict(message.sampler)
+            self.next_batch = message.version
+        elif isinstance(message, Weights):
+            self._receive_weights(message.version)
+        elif isinstance(message, Fetch):
+            self.wanted.add(("batch", message.batch))
+        elif isinstance(message, Evaluate):
+            self._open_evaluation(message.version)
+
+    def _receive_weights(self, version: int) -> None:
+        if self.version is not None:
+            self.timeline.record(self.version, self.timer.intervals)
+            self.timer = PhaseTimer()
+        with self.timer("reshard"):
+            figures = self.weight_sync.sync({})
+        largest = torch.tensor([figures.bytes_received, figures.seconds, figures.peak_extra_mb],
+                               dtype=torch.float64)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.split.side_group)
+        self.syncs.append(tuple(largest.tolist()))
+        restart = self.config.rollout.partial_rollout == "abort"
+        aborted, restarted = self.book.weights_changed(version, self.engine.generated_lengths(),
+                                                       restart)
+        self.engine.abort(aborted)
+        self.engine.add_requests(restarted)
+        self.version = version
+
+    # -- generation ------------------------------------------------------------------------------
+    def _open_batches(self) -> None:
+        """Open every batch whose responses may start with the current weights."""
+        if self.version is None:
+            return
+        while self.next_batch <= self.version + self.config.rollout.max_staleness:
+            step = self.next_batch
+            records, token_ids = self.data.next_batch()
+            share = len(records) // self.instances
+            mine = slice(self.instance * share, (self.instance + 1) * share)
+            sampling = training_sampling(self.config, self.data.stop_token_ids, step)
+            self.engine.add_requests(self.book.open("batch", step, records[mine],
+                                                    token_ids[mine], sampling, self.version))
+            self.next_batch += 1
+
+    def _open_evaluation(self, version: int) -> None:
+        if version != self.version:
+            raise RuntimeError(f"asked to evaluate version {version} while holding version "
+                               f"{self.version}")
+        picked = range(self.instance, len(self.data.validation), self.instances)
+        sampling = evaluation_sampling(self.config, self.data.stop_token_ids)
+        self.engine.add_requests(self.book.open(
+            "eval", version, [self.data.validation[i] for i in picked],
+            [self.data.validation_token_ids[i] for i in picked], sampling, version))
+        self.wanted.add(("eval", version))
+
+    def _generate(self) -> bool:
+        """Up to rollout.update_check_steps engine steps (collective over the rollout ranks);
+        complete groups go to scoring. Returns whether responses are still in flight."""
+        for _ in range(self.config.rollout.update_check_steps):
+            if not self.engine.has_unfinished():
+                return False
+            with self.timer("generate"):
+                finished = self.engine.step()
+            for sample in finished:
+                group = self.book.finish(sample)
+                if group is not None and self.scorer is not None:
+                    key, position = group
+                    self.scorer.submit(self.book.shares[key], position)
+        return True
+
+    def _send_complete_shares(self, wait: bool) -> None:
+        """Send every complete share the trainers asked for (its scores awaited only with
+        `wait`: when there is nothing to generate meanwhile)."""
+        for share in self.book.complete_shares():
+            key = (share.kind, share.index)
+            if key not in self.wanted:
+                continue
+            if self.scorer is not None:
+                if not (wait or self.scorer.ready(share)):
+                    continue
+                with self.timer("reward"):
+                    results = self.scorer.results(share)
+                self.outbox.send(Share(share.kind, share.index, share.records, share.prompts,
+                                       share.completions(), results, self.syncs),
+                                 destination=0)
+            self.syncs = []
+            self.wanted.discard(key)
+            self.book.close(share)
+
+
+def run_rollout_ranks(config: JobConfig, reward_fn=None) -> int:
+    """A rollout rank's whole job; returns the exit status the trainers asked for."""
+    worker = RolloutWorker(config, reward_fn)
+    exit_code = worker.run()
+    worker.close()
+    return exit_code
