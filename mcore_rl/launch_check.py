@@ -43,10 +43,14 @@ def _world_error(config: JobConfig, config_path: str | None, world: int, nodes: 
     parallel = config.parallel
     model_parallel = (parallel.tensor_model_parallel_size
                       * parallel.pipeline_model_parallel_size * parallel.context_parallel_size)
-    if model_parallel >= 1 and world % model_parallel == 0:
+    rollout_ranks = config.placement.rollout_ranks
+    trainers = world - rollout_ranks
+    if model_parallel >= 1 and trainers > 0 and trainers % model_parallel == 0:
         return ""
-    return (f"{nodes} node(s) x {ranks_per_node} rank(s) per node = world size {world}, which "
-            f"must be divisible by tensor_model_parallel_size "
+    training = (f", less placement.rollout_ranks={rollout_ranks}: {trainers} trainer ranks,"
+                if rollout_ranks else ",")
+    return (f"{nodes} node(s) x {ranks_per_node} rank(s) per node = world size {world}"
+            f"{training} which must be divisible by tensor_model_parallel_size "
             f"{parallel.tensor_model_parallel_size} x pipeline_model_parallel_size "
             f"{parallel.pipeline_model_parallel_size} x context_parallel_size "
             f"{parallel.context_parallel_size} = {model_parallel} (from "

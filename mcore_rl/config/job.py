@@ -130,7 +130,9 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
     parallel = config.parallel
     errors = config.placement.errors(world_size)
     training_world = config.placement.trainer_ranks(world_size) if not errors else world_size
-    errors += parallel.check(training_world)
+    errors += parallel.check(training_world, f"the {training_world} trainer ranks (world size "
+                             f"{world_size} less placement.rollout_ranks)"
+                             if training_world != world_size else "")
     errors += config.model.check(parallel.tensor_model_parallel_size,
                                  parallel.pipeline_model_parallel_size)
     errors += config.optimizer.check("optimizer")

@@ -54,8 +54,9 @@ class ParallelConfig:
         """The rank order Megatron is initialised with (auto still unresolved: the default)."""
         return MEGATRON_DEFAULT_ORDER if self.rank_order == AUTO_ORDER else self.rank_order
 
-    def check(self, world_size: int) -> list[str]:
-        """Broken layout rules as messages naming the field (empty when valid)."""
+    def check(self, world_size: int, world_name: str = "") -> list[str]:
+        """Broken layout rules as messages naming the field (empty when valid). world_name:
+        what the ranks are, when not the whole world (split placement's trainer ranks)."""
         errors = []
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size", "expert_model_parallel_size"):
@@ -76,6 +77,7 @@ class ParallelConfig:
             errors.append("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
         if world_size % self.model_parallel_size:
             errors.append(
-                f"world size {world_size} must be divisible by tensor_model_parallel_size x "
+                f"{world_name or f'world size {world_size}'} must be divisible by "
+                f"tensor_model_parallel_size x "
                 f"pipeline_model_parallel_size x context_parallel_size = {self.model_parallel_size}")
         return errors

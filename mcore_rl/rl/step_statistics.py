@@ -12,6 +12,8 @@ from mcore_rl.config.rl import ImportanceCorrection
 from mcore_rl.observability.step_metrics import SumsAndCounts
 from mcore_rl.rollout.mismatch import add_logprob_mismatch
 
+from .experience import Rollout
+
 
 def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
                         stats: SumsAndCounts, mismatch: bool = True) -> None:
@@ -36,6 +38,9 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
         add_logprob_mismatch(stats, batch["engine_logprobs"], batch["old_logprobs"], response)
     stats.add("rollout/truncated_prompts",
               torch.tensor([float(generation_metrics.get("truncated_prompts", 0))]))
+    if "restarted_responses" in generation_metrics:  # split placement, the whole batch's
+        stats.add_max("rollout/restarted_responses",
+                      torch.tensor([float(generation_metrics["restarted_responses"])]))
     if "old_values" in batch:
         values, returns = batch["old_values"].double(), batch["returns"].double()
         stats.add("critic/values_mean", values, response)
@@ -45,13 +50,17 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
         stats.add("critic/error_square", (returns - values).square(), response)
 
 
-def off_policy_statistics(batch: dict, staleness: torch.Tensor,
+def off_policy_statistics(batch: dict, rollout: Rollout, step: int,
                           correction: ImportanceCorrection, stats: SumsAndCounts) -> None:
-    """How far off-policy the batch is: policy versions between starting each response
-    (`staleness`, one per row) and training on it, and the importance weights the actor's loss
-    will apply (with their masked fraction)."""
+    """How far off-policy the batch is: policy versions between starting each response and
+    training on it at `step`, the responses continued across a weight update (split
+    placement's partial rollouts), and the importance weights the actor's loss will apply
+    (with their masked fraction)."""
+    staleness = step - rollout.start_versions()
     stats.add("rollout/staleness_mean", staleness)
     stats.add_max("rollout/staleness_max", staleness)
+    stats.add("rollout/continued_fraction", torch.tensor(
+        [float(len(completion.versions) > 1) for completion in rollout.generation.completions]))
     if not correction.enabled:
         return
     mask = batch["loss_mask"].double()

@@ -145,7 +145,7 @@ class Trainer:
             add_advantages(batch, self.config.algorithm, self.kl_controller, self.dp_group, stats)
         rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats,
                            mismatch=self.config.rollout.old_logprobs == "trainer")
-        off_policy_statistics(batch, self.step - rollout.start_versions(),
+        off_policy_statistics(batch, rollout, self.step,
                               self.config.rollout.importance_correction(), stats)
         self.scheduler.add_metrics(stats)
         if self.config.trainer.balance_data_parallel:

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 HEADER_TAG = 71
 PAYLOAD_TAG = 72
+FAILURE_POLL_SECONDS = 0.02
 
 
 class Outbox:
@@ -50,14 +53,66 @@ class Outbox:
         self._in_flight = []
 
 
-def receive_object(group: dist.ProcessGroup, source: int):
+def receive_object(group: dist.ProcessGroup, source: int, failure: "FailureNotice | None" = None):
     """The next object `source` sent to this rank over `group` (blocks, bounded by the group's
-    timeout)."""
+    timeout). With `failure`, the receive runs in a thread while this one watches the notice,
+    and a failure the other side reports is raised at once, in place of the message (a posted
+    gloo receive cannot be polled or taken back)."""
+    if failure is None:
+        return _receive(group, source)
+    outcome = []
+    receiver = threading.Thread(target=_receive_into, args=(outcome, group, source),
+                                name="mcore_rl-receive", daemon=True)
+    receiver.start()
+    deadline = time.monotonic() + failure.timeout.total_seconds()
+    while receiver.is_alive():
+        failure.raise_if_reported()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no message from rank {source} within {failure.timeout}")
+        receiver.join(FAILURE_POLL_SECONDS)
+    if isinstance(outcome[0], BaseException):
+        failure.raise_if_reported()  # the other side's own error explains the broken link
+        raise outcome[0]
+    return outcome[0]
+
+
+def _receive(group: dist.ProcessGroup, source: int):
     header = torch.empty(1, dtype=torch.int64)
     group.recv([header], source, HEADER_TAG).wait()
     payload = torch.empty(int(header.item()), dtype=torch.uint8)
     group.recv([payload], source, PAYLOAD_TAG).wait()
     return pickle.loads(payload.numpy().tobytes())
+
+
+def _receive_into(outcome: list, group: dist.ProcessGroup, source: int) -> None:
+    try:
+        outcome.append(_receive(group, source))
+    except BaseException as error:  # handed to the waiting thread
+        outcome.append(error)
+
+
+class FailureNotice:
+    """One side's error, left on the job's store for the other side: a rank blocked in a
+    receive from a rank that died looks here while it waits, and ends with that error instead
+    of waiting out the timeout (and under launchers that do not kill the other ranks, srun
+    --kill-on-bad-exit=0, instead of hanging until then)."""
+
+    KEY = "mcore_rl/failed"
+
+    def __init__(self, store: dist.Store, timeout: datetime.timedelta):
+        self.store = store
+        self.timeout = timeout
+        """How long a receive waits for its message when no failure is reported."""
+
+    def report(self, text: str) -> None:
+        """Leave `text` unless an earlier failure is there already (the first is the cause)."""
+        if not self.store.check([self.KEY]):
+            self.store.set(self.KEY, text.encode())
+
+    def raise_if_reported(self) -> None:
+        if self.store.check([self.KEY]):
+            raise RuntimeError(f"the other side of the job failed: "
+                               f"{self.store.get(self.KEY).decode()}")
 
 
 class ControlBoard:

@@ -49,6 +49,9 @@ class OpenShare:
     finished: dict[int, dict[int, Completion]] = field(default_factory=dict)
     """Prompt position -> sample index -> its finished response."""
 
+    restarts: int = 0
+    """Responses restarted at a weight update (partial_rollout=abort)."""
+
     @property
     def complete(self) -> bool:
         return len(self.finished) == len(self.prompts) and all(
@@ -124,6 +127,7 @@ class InstanceBook:
                                                    key=f"{prefix}/a{response.attempt}")
             response.versions = [(0, version)]
             self.in_flight[response.request.key] = response
+            self.shares[response.share].restarts += 1
             aborted.append(key)
             restarted.append(response.request)
         return aborted, restarted

@@ -73,6 +73,9 @@ class Share:
     results: list
     """One RewardResult per completion."""
 
+    restarts: int = 0
+    """Responses restarted at a weight update (partial_rollout=abort)."""
+
     syncs: list = field(default_factory=list)
     """Weight syncs since this instance's previous share: (bytes, seconds, peak extra MB),
     each the largest over the rollout ranks."""

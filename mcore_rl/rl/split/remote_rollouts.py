@@ -29,7 +29,7 @@ from mcore_rl.resharding import Resharder
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.resharding.plan import lower_bound_received
 from mcore_rl.rollout import Generation
-from mcore_rl.runtime.messages import ControlBoard, receive_object
+from mcore_rl.runtime.messages import ControlBoard, FailureNotice, receive_object
 from mcore_rl.runtime.worlds import SplitWorld
 
 from ..build import weight_plan
@@ -46,8 +46,10 @@ class RemoteRollouts:
         self.data = data
         self.split = split
         self.actor = actor
-        self.control = ControlBoard(split.store, datetime.timedelta(
-            minutes=config.runtime.collective_timeout_minutes))
+        timeout = datetime.timedelta(minutes=config.runtime.collective_timeout_minutes)
+        self.control = ControlBoard(split.store, timeout)
+        self.rollout_failure = FailureNotice(split.store, timeout)
+        """Where a failed rollout rank leaves its error (read while waiting for shares)."""
         training = megatron_training_layout(config.model, config.parallel.megatron_order())
         plan = weight_plan(config, training)
         self.resharder = Resharder(plan, config.rollout.sync_bucket_mb * 2 ** 20, split.bridge)
@@ -92,7 +94,8 @@ class RemoteRollouts:
                                f"the sampler dealt {[r.index for r in expected]} to this rank")
         generation = Generation(part.completions, part.prompts, {
             "prompts": len(part.prompts), "truncated_prompts": 0,
-            "generated_tokens": sum(len(c.token_ids) for c in part.completions)})
+            "generated_tokens": sum(len(c.token_ids) for c in part.completions),
+            "restarted_responses": part.restarts})
         rollout = Rollout(part.records, part.prompts, generation, part.results)
         rollout.version = int(rollout.start_versions().min()) if part.completions else step
         return rollout
@@ -139,14 +142,16 @@ class RemoteRollouts:
         parts = None
         if self._is_rank0:
             self.control.post(request)
-            shares = [receive_object(self.split.messages, leader) for leader in self.leaders]
+            shares = [receive_object(self.split.messages, leader, self.rollout_failure)
+                      for leader in self.leaders]
             for share in shares:
                 if (share.kind, share.index) != (kind, index):
                     raise RuntimeError(f"asked the rollout ranks for {kind} {index}, received "
                                        f"{share.kind} {share.index}")
             pool = _pooled(shares, kind)
+            restarts = sum(share.restarts for share in shares)
             parts = [_part(pool, self._positions(kind, len(pool), dp_rank), kind, index,
-                           shares[0].syncs) for dp_rank in self.dp_rank_of]
+                           restarts, shares[0].syncs) for dp_rank in self.dp_rank_of]
         mine = [None]
         dist.scatter_object_list(mine, parts, src=0, group=self.split.side_group)
         self.syncs += mine[0].syncs
@@ -180,7 +185,8 @@ def _pooled(shares: list[Share], kind: str) -> list[tuple]:
     return [entries[position] for position in range(len(entries))]
 
 
-def _part(pool: list[tuple], positions: range, kind: str, index: int, syncs: list) -> Share:
+def _part(pool: list[tuple], positions: range, kind: str, index: int, restarts: int,
+          syncs: list) -> Share:
     records, prompts, completions, results = [], [], [], []
     for local, position in enumerate(positions):
         record, prompt, group = pool[position]
@@ -189,4 +195,4 @@ def _part(pool: list[tuple], positions: range, kind: str, index: int, syncs: lis
         for completion, result in group:
             completions.append(dataclasses.replace(completion, prompt_index=local))
             results.append(result)
-    return Share(kind, index, records, prompts, completions, results, syncs)
+    return Share(kind, index, records, prompts, completions, results, restarts, syncs)

