@@ -170,10 +170,13 @@ def test_off_policy_statistics_report_staleness_and_weights():
     stats = SumsAndCounts()
     correction = RolloutConfig(importance_cap=1.5, importance_floor=0.6,
                                importance_mode="mask").importance_correction()
-    off_policy_statistics(batch, torch.tensor([1.0, 2.0], dtype=torch.float64), correction,
-                          stats)
+    rollout = Rollout([], [], Generation([
+        Completion(0, 0, [1, 2], [0.0, 0.0], "stop", ((0, 3), (1, 4))),
+        Completion(0, 1, [1, 2], [0.0, 0.0], "stop", ((0, 4),))], []), [], version=3)
+    off_policy_statistics(batch, rollout, 5, correction, stats)
     found = stats.means()
     assert found["rollout/staleness_mean"] == 1.5 and found["rollout/staleness_max"] == 2
+    assert found["rollout/continued_fraction"] == 0.5
     assert found["rollout/is_masked_fraction"] == pytest.approx(2 / 5)  # 2 and 0.5 leave
     assert found["rollout/is_weight_mean"] == pytest.approx((1 + 1 + 1.25) / 3)
     assert found["rollout/is_weight_max"] == pytest.approx(1.25)
