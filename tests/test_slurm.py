@@ -4,8 +4,10 @@ on 127.0.0.1) in a temporary directory. The project's own sbatch scripts are sub
 sbatch and run GRPO on the toy task, at the same time:
 
 - one node, two ranks started directly by srun (world 2, data parallel 2);
-- two nodes, one torchrun per node with a c10d rendezvous (world 2): the same world, so the same
-  metrics.
+- two nodes of two ranks, one torchrun per node with a c10d rendezvous, in split placement
+  (placement.rollout_ranks=2, rollout.max_staleness=0): one node trains (data parallel 2), the
+  other only generates, weights crossing between the nodes after every step. Synchronous split
+  placement trains exactly what the colocated job trains, so the metrics are the same.
 
 Each is preempted with `scancel --signal=USR1` (what `#SBATCH --signal=USR1@120` sends before
 the time limit) after step 1: the trainer saves and exits 75, the script requeues the job, and
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -213,6 +216,9 @@ def test_world_size_that_the_layout_cannot_use_fails_the_job(cluster, in_step):
     (TOY, {"GPUS_PER_NODE": "4"}, "one rank per GPU: the job has 2 ranks per node"),
     ([*TOY, "rollout.prompts_per_step=5"], {},
      "rollout.prompts_per_step=5 must be divisible by the data-parallel size 4"),
+    ([*TOY, "placement.rollout_ranks=1", "parallel.tensor_model_parallel_size=2"], {},
+     "world size 4, less placement.rollout_ranks=1: 3 trainer ranks, which must be divisible "
+     "by tensor_model_parallel_size 2"),
 ])
 def test_launch_refuses_bad_jobs_without_starting_ranks(tmp_path, arguments, environment,
                                                         message):
@@ -317,8 +323,9 @@ def jobs(cluster, tmp_path_factory):
             [*CPU_JOB, "--ntasks-per-node=2"], run_dir=runs / "single"),
         "multi": cluster.submit(
             "multi", "train_multi_node.sbatch",
-            [*TOY, "trainer.total_steps=2", f"runtime.output_dir={runs / 'multi'}"],
-            [*CPU_JOB, "--nodes=2", "--ntasks-per-node=1"], env={"LAUNCHER": "torchrun"},
+            [*TOY, "trainer.total_steps=2", "placement.rollout_ranks=2",
+             f"runtime.output_dir={runs / 'multi'}"],
+            [*CPU_JOB, "--nodes=2", "--ntasks-per-node=2"], env={"LAUNCHER": "torchrun"},
             run_dir=runs / "multi"),
     }
     job = submitted["single"]
@@ -380,13 +387,24 @@ def test_preemption_signal_saves_requeues_and_resumes(jobs):
 
 
 @needs_vllm
-def test_two_nodes_torchrun_same_world_same_metrics(jobs):
+def test_two_nodes_torchrun_split_placement_same_metrics(jobs):
+    from mcore_rl.observability.timeline import ROLLOUT_TIMELINE_FILE, TIMELINE_FILE
+
     job = jobs["multi"]
     logged = _check_run(job, 2)
     text = job.text()
-    assert "2 node(s) x 1 rank(s) = world 2 via torchrun" in text
+    assert "2 node(s) x 2 rank(s) = world 4 via torchrun" in text
     assert "--rdzv_backend c10d" in text
     assert job.fields()["NodeList"] == "n[1-2]"
-    # Same config and world (data parallel 2), other launcher and nodes: the same numbers.
+    # torchrun numbers each node's ranks contiguously: ranks 0-1 (one node) train, 2-3 generate.
+    phases = {name: {(row["rank"], row["phase"]) for row in map(
+        json.loads, (job.run_dir / name).read_text().splitlines())}
+        for name in (TIMELINE_FILE, ROLLOUT_TIMELINE_FILE)}
+    assert {rank for rank, _ in phases[TIMELINE_FILE]} == {0, 1}
+    assert {rank for rank, phase in phases[ROLLOUT_TIMELINE_FILE] if phase == "generate"} == \
+        {2, 3}
+    last = json.loads((job.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["reshard/bytes_received_max"] == last["reshard/lower_bound_bytes"] > 0
+    # The colocated job's data-parallel 2 training, on other ranks and nodes: the same numbers.
     single = _steps(jobs["single"].text())[:2]
     assert logged == single, (logged, single)

@@ -134,8 +134,9 @@ def _timeline_plot(intervals: list[dict], path: Path) -> Path:
     for row in intervals:
         axes.broken_barh([(row["start"] - origin, row["end"] - row["start"])],
                          (row["rank"] - 0.4, 0.8), color=colors[row["phase"]])
-    for step in sorted({row["step"] for row in intervals}):
-        begin = min(row["start"] for row in intervals if row["step"] == step) - origin
+    steps = [row for row in intervals if row.get("side") != "rollout"]  # not versions held
+    for step in sorted({row["step"] for row in steps}):
+        begin = min(row["start"] for row in steps if row["step"] == step) - origin
         axes.axvline(begin, color="grey", linestyle=":", linewidth=0.8)
         axes.annotate(f"step {step}", (begin, 1.0), xycoords=("data", "axes fraction"),
                       fontsize=8, va="bottom")
@@ -144,7 +145,7 @@ def _timeline_plot(intervals: list[dict], path: Path) -> Path:
     axes.set_xlabel("seconds")
     axes.legend(handles=[Patch(color=colors[phase], label=phase) for phase in phases],
                 loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    axes.set_title(f"phases per rank, last {len({row['step'] for row in intervals})} steps",
+    axes.set_title(f"phases per rank, last {len({row['step'] for row in steps})} steps",
                    pad=14)
     return save_png_atomically(figure, path)
 

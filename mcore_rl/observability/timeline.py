@@ -75,14 +75,19 @@ def _merged(intervals: list[tuple[str, float, float]]) -> list[tuple[str, float,
 
 def read_timeline(run_dir: str | os.PathLike, last_steps: int) -> list[dict]:
     """The intervals of the run's last `last_steps` recorded steps (the newest recording of a
-    step that was recorded twice), the trainers' first, then the rollout ranks' of the same
-    steps (split placement); [] without a timeline. A torn last line (a run killed while
-    writing it) is skipped."""
+    step that was recorded twice), the trainers' first, then (split placement) the rollout
+    ranks' intervals that overlap those steps' time, marked "side": "rollout" (their step
+    numbers are the policy versions they held, which run ahead of the trainers' steps, so they
+    are picked by time). [] without a timeline. A torn last line (a run killed while writing it) is skipped."""
     trainer = _read_steps(Path(run_dir) / TIMELINE_FILE)
     rollout = _read_steps(Path(run_dir) / ROLLOUT_TIMELINE_FILE)
-    steps = sorted(trainer or rollout)[-last_steps:]
-    return [row for by_step in (trainer, rollout) for step in steps
-            for row in by_step.get(step, [])]
+    if not trainer:
+        steps = sorted(rollout)[-last_steps:]
+        return [row for step in steps for row in rollout[step]]
+    rows = [row for step in sorted(trainer)[-last_steps:] for row in trainer[step]]
+    begin, end = min(row["start"] for row in rows), max(row["end"] for row in rows)
+    return rows + [dict(row, side="rollout") for step in sorted(rollout)
+                   for row in rollout[step] if row["end"] > begin and row["start"] < end]
 
 
 def _read_steps(path: Path) -> dict[int, list[dict]]:

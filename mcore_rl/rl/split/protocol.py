@@ -6,13 +6,16 @@ rank 0 reads them in order between two engine steps and passes them to every rol
     Start(version, sampler)   the run starts (or resumes) at this policy version and prompt
                               position; the weights of that version come next
     Weights(version)          the trainers are sending this version's weights now (the bridge)
-    Fetch(batch)              the trainers wait for batch `batch` (the prompts of step `batch`)
+    Fetch(batch)              send batch `batch` (the prompts of step `batch`) when it is scored
     Evaluate(version)         answer the validation prompts with this version's weights
     Stop(exit_code)           end the job with this exit status
 
 Each engine instance's leader (its first rank) answers a Fetch or an Evaluate with one `Share`:
-its part of the prompts, every response, their scores. Shares are sent only when asked for, so
-nothing is left in flight when the job stops.
+its part of the prompts, every response, their scores, as soon as it is complete and scored.
+The trainers ask for the next step's batch as soon as they receive one, so it is on its way
+before they wait for it (a batch can arrive before an evaluation asked for later; the trainers
+keep it). At a stop, a batch asked for ahead may be unsent or in flight: it was never trained
+on, and a resumed run generates it again.
 """
 
 from __future__ import annotations

@@ -61,6 +61,11 @@ class RemoteRollouts:
         self.dp_rank_of = [training.coordinates(rank)[2] for rank in range(training.world_size)]
         self.syncs: list = []
         """The rollout ranks' weight-sync figures that came with batches since add_metrics."""
+        self._asked: set[tuple[str, int]] = set()
+        """Shares asked for (trainer rank 0)."""
+        self._early: dict[tuple[int, str, int], Share] = {}
+        """Shares that arrived before the one being collected: (leader, kind, index) -> share
+        (a batch asked for ahead arriving before an evaluation)."""
 
     @property
     def _is_rank0(self) -> bool:
@@ -81,13 +86,17 @@ class RemoteRollouts:
 
     def next(self, step: int, timer: PhaseTimer, stats: SumsAndCounts,
              prompts: list | None = None) -> Rollout:
-        """This rank's part of the batch of step `step`."""
+        """This rank's part of the batch of step `step`. The next step's batch is asked for at
+        once, so the rollout ranks send it as soon as it is scored instead of when the
+        trainers come to wait for it."""
         if prompts is not None:
             raise ValueError("collect_data(prompts) is not supported with split placement: the "
                              "rollout ranks draw each step's prompts from the dataset")
         expected, _ = self.data.next_batch()
         with timer("wait"):
             part = self._collect(Fetch(step), "batch", step)
+        if step + 1 < self.config.trainer.total_steps:
+            self._ask(Fetch(step + 1))
         received = [record.index for record in part.records]
         if received != [record.index for record in expected]:
             raise RuntimeError(f"step {step}: the rollout ranks sent the prompts {received} but "
@@ -141,13 +150,9 @@ class RemoteRollouts:
         share; every trainer rank gets its data-parallel rank's part."""
         parts = None
         if self._is_rank0:
-            self.control.post(request)
-            shares = [receive_object(self.split.messages, leader, self.rollout_failure)
-                      for leader in self.leaders]
-            for share in shares:
-                if (share.kind, share.index) != (kind, index):
-                    raise RuntimeError(f"asked the rollout ranks for {kind} {index}, received "
-                                       f"{share.kind} {share.index}")
+            self._ask(request)
+            shares = [self._receive(leader, kind, index) for leader in self.leaders]
+            self._asked.discard((kind, index))
             pool = _pooled(shares, kind)
             restarts = sum(share.restarts for share in shares)
             parts = [_part(pool, self._positions(kind, len(pool), dp_rank), kind, index,
@@ -156,6 +161,28 @@ class RemoteRollouts:
         dist.scatter_object_list(mine, parts, src=0, group=self.split.side_group)
         self.syncs += mine[0].syncs
         return mine[0]
+
+    def _ask(self, request) -> None:
+        """Post a Fetch or an Evaluate once (trainer rank 0)."""
+        key = ("batch", request.batch) if isinstance(request, Fetch) else ("eval",
+                                                                          request.version)
+        if self._is_rank0 and key not in self._asked:
+            self.control.post(request)
+            self._asked.add(key)
+
+    def _receive(self, leader: int, kind: str, index: int) -> Share:
+        """The share `leader` sends for (kind, index), keeping any other that comes first."""
+        share = self._early.pop((leader, kind, index), None)
+        while share is None:
+            arrived = receive_object(self.split.messages, leader, self.rollout_failure)
+            if (arrived.kind, arrived.index) not in self._asked:
+                raise RuntimeError(f"rollout rank {leader} sent {arrived.kind} {arrived.index}, "
+                                   "which was not asked for")
+            if (arrived.kind, arrived.index) == (kind, index):
+                share = arrived
+            else:
+                self._early[(leader, arrived.kind, arrived.index)] = arrived
+        return share
 
     def _positions(self, kind: str, prompts: int, dp_rank: int) -> range:
         """Which of a batch's or of the validation set's prompts a data-parallel rank takes:

@@ -2,8 +2,8 @@
 
     loop:
         send each complete, scored share the trainers have asked for
-        take the trainers' control messages (new weights, fetch, evaluate, stop); with nothing
-            to generate, wait for the next one
+        take the trainers' control messages (new weights, fetch, evaluate, stop) until none
+            is left, sending what they ask for; with nothing to generate, wait for the first
         open every batch the bound allows: batch i starts with weights of version >= i - k
         a few engine steps; score each group of responses as it completes
 
@@ -95,12 +95,15 @@ class RolloutWorker:
         busy = False
         while True:
             self._send_complete_shares(wait=not busy)  # nothing is owed while we wait below
-            for message in self._control(wait=not busy):
-                if isinstance(message, Stop):
-                    self.engine.abort(self.book.keys())
-                    return message.exit_code
-                self._handle(message)
-            self._send_complete_shares(wait=False)  # a batch asked for just now, if scored
+            messages = self._control(wait=not busy)
+            while messages:  # what came in while handling (a fetch right after new weights)
+                for message in messages:
+                    if isinstance(message, Stop):
+                        self.engine.abort(self.book.keys())
+                        return message.exit_code
+                    self._handle(message)
+                self._send_complete_shares(wait=False)  # a batch asked for just now, if scored
+                messages = self._control(wait=False)
             self._open_batches()
             busy = self._generate()
 
