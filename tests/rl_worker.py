@@ -230,7 +230,7 @@ def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
     _, prompts = trainer.data.next_batch()
     greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=4)
     config = PromptConfig(max_prompt_tokens=trainer.config.data.max_prompt_tokens)
-    vllm_greedy = trainer.generator.generate(prompts, greedy)
+    vllm_greedy = trainer.scheduler.generator.generate(prompts, greedy)
     megatron = MegatronEngine(trainer.roles.actor.module, trainer.config.model, 16)
     megatron_greedy = megatron.generate(prompts, greedy, config)
     result = {"history": history, "rank_order": trainer.config.parallel.rank_order,

@@ -155,4 +155,5 @@ def test_a_failing_rollout_rank_ends_the_trainers_with_its_error(tmp_path, token
         "placement.rollout_ranks=1", "trainer.total_steps=3", "trainer.eval_every=0",
         "runtime.collective_timeout_minutes=5"], signal_after_step=0, fail_rollout_at_batch=1)
     assert result[1]["error"] == "injected failure at batch 1"
-    assert "rollout rank 1: RuntimeError: injected failure at batch 1" in result[0]["error"]
+    assert result[0]["error"] == \
+        "stopping: rollout rank 1 failed: RuntimeError: injected failure at batch 1"

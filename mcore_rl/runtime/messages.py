@@ -92,10 +92,10 @@ def _receive_into(outcome: list, group: dist.ProcessGroup, source: int) -> None:
 
 
 class FailureNotice:
-    """One side's error, left on the job's store for the other side: a rank blocked in a
-    receive from a rank that died looks here while it waits, and ends with that error instead
-    of waiting out the timeout (and under launchers that do not kill the other ranks, srun
-    --kill-on-bad-exit=0, instead of hanging until then)."""
+    """A rank's error ("rollout rank 3 failed: ..."), left on the job's store for the other
+    side: a rank blocked in a receive from a rank that died looks here while it waits, and ends
+    with that error instead of waiting out the timeout (and under launchers that do not kill
+    the other ranks, srun --kill-on-bad-exit=0, instead of hanging until then)."""
 
     KEY = "mcore_rl/failed"
 
@@ -109,10 +109,18 @@ class FailureNotice:
         if not self.store.check([self.KEY]):
             self.store.set(self.KEY, text.encode())
 
+    def wait_for_keys(self, store: dist.Store, keys: list[str]) -> None:
+        """Wait until every key is in `store`, raising a reported failure at once."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not store.check(keys):
+            self.raise_if_reported()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the other side did not set {keys} within {self.timeout}")
+            time.sleep(FAILURE_POLL_SECONDS)
+
     def raise_if_reported(self) -> None:
         if self.store.check([self.KEY]):
-            raise RuntimeError(f"the other side of the job failed: "
-                               f"{self.store.get(self.KEY).decode()}")
+            raise RuntimeError(f"stopping: {self.store.get(self.KEY).decode()}")
 
 
 class ControlBoard:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .agreement import raise_gathered, raise_on_any_rank
 from .devices import collective_device
+from .messages import FailureNotice
 
 
 class Transport(Protocol):
@@ -65,10 +66,13 @@ class BridgeTransport:
     ranks receive), so no two ranks exchange in both directions and separate calls cannot
     deadlock under NCCL."""
 
-    def __init__(self, group, store: dist.Store):
+    def __init__(self, group, store: dist.Store, failure: FailureNotice | None = None):
         self.group = group
         self.store = store
         """The bridge's rendezvous store (a PrefixStore of the job's), for agreement."""
+        self.failure = failure
+        """Looked at while waiting for the other ranks' agreement (a failed rank never
+        arrives)."""
         self.rank = group.rank()
         self.size = group.size()
         self.device = (torch.device("cuda", torch.cuda.current_device())
@@ -88,6 +92,9 @@ class BridgeTransport:
         if self._rounds > 2:
             self.store.delete_key(f"agree/{self._rounds - 2}/{self.rank}")
         self.store.set(keys[self.rank], json.dumps(problems))
-        self.store.wait(keys)
+        if self.failure is None:
+            self.store.wait(keys)
+        else:
+            self.failure.wait_for_keys(self.store, keys)
         raise_gathered({rank: json.loads(self.store.get(key)) for rank, key in enumerate(keys)},
                        error_type, prefix)

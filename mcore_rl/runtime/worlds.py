@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .launch_env import LaunchEnv
 from .log import set_job_rank
+from .messages import FailureNotice
 from .transport import BridgeTransport
 
 
@@ -53,6 +54,10 @@ class SplitWorld:
     side_group: dist.ProcessGroup
     """A gloo group over this side's world, for its Python-object collectives."""
 
+    failure: FailureNotice
+    """Where a failing rank leaves its error for the other side, which looks there while it
+    waits for a message or an agreement from that side."""
+
 
 def side_of(job: LaunchEnv, rollout_ranks: int) -> tuple[str, LaunchEnv]:
     """Which side job rank `job.rank` is on, and that side's world as a LaunchEnv."""
@@ -79,13 +84,15 @@ def start_split_worlds(job: LaunchEnv, rollout_ranks: int, backend: str,
     dist.init_process_group(backend, store=dist.PrefixStore(f"mcore_rl/{side}", store),
                             rank=launch.rank, world_size=launch.world_size, timeout=timeout,
                             device_id=device_id)
+    control_store = dist.PrefixStore("mcore_rl/control", store)
+    failure = FailureNotice(control_store, timeout)
     bridge_store = dist.PrefixStore("mcore_rl/bridge", store)
-    bridge = BridgeTransport(_bridge_group(backend, bridge_store, job, timeout), bridge_store)
+    bridge = BridgeTransport(_bridge_group(backend, bridge_store, job, timeout), bridge_store,
+                             failure)
     messages = _bridge_group("gloo", dist.PrefixStore("mcore_rl/messages", store), job, timeout)
     side_group = dist.new_group(backend="gloo", timeout=timeout)
     set_job_rank(job.rank)
-    return SplitWorld(side, job, launch, bridge, messages,
-                      dist.PrefixStore("mcore_rl/control", store), side_group)
+    return SplitWorld(side, job, launch, bridge, messages, control_store, side_group, failure)
 
 
 def _bridge_group(backend: str, store: dist.Store, job: LaunchEnv,

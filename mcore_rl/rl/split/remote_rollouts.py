@@ -29,7 +29,7 @@ from mcore_rl.resharding import Resharder
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.resharding.plan import lower_bound_received
 from mcore_rl.rollout import Generation
-from mcore_rl.runtime.messages import ControlBoard, FailureNotice, receive_object
+from mcore_rl.runtime.messages import ControlBoard, receive_object
 from mcore_rl.runtime.worlds import SplitWorld
 
 from ..build import weight_plan
@@ -46,10 +46,8 @@ class RemoteRollouts:
         self.data = data
         self.split = split
         self.actor = actor
-        timeout = datetime.timedelta(minutes=config.runtime.collective_timeout_minutes)
-        self.control = ControlBoard(split.store, timeout)
-        self.rollout_failure = FailureNotice(split.store, timeout)
-        """Where a failed rollout rank leaves its error (read while waiting for shares)."""
+        self.control = ControlBoard(split.store, datetime.timedelta(
+            minutes=config.runtime.collective_timeout_minutes))
         training = megatron_training_layout(config.model, config.parallel.megatron_order())
         plan = weight_plan(config, training)
         self.resharder = Resharder(plan, config.rollout.sync_bucket_mb * 2 ** 20, split.bridge)
@@ -136,7 +134,12 @@ class RemoteRollouts:
         if self._is_rank0:
             self.control.post(Stop(exit_code))
 
-    abandon = close
+    def abandon(self, exit_code: int) -> None:
+        """After an error on this trainer rank: leave word for the rollout ranks (a wait of
+        theirs for this side ends at once) and ask them to exit with `exit_code`."""
+        self.split.failure.report(f"trainer rank {self.split.job.rank} failed (exit status "
+                                  f"{exit_code})")
+        self.close(exit_code)
 
     # -- the exchange --------------------------------------------------------------------------
     def _push(self, version: int) -> None:
@@ -174,7 +177,7 @@ class RemoteRollouts:
         """The share `leader` sends for (kind, index), keeping any other that comes first."""
         share = self._early.pop((leader, kind, index), None)
         while share is None:
-            arrived = receive_object(self.split.messages, leader, self.rollout_failure)
+            arrived = receive_object(self.split.messages, leader, self.split.failure)
             if (arrived.kind, arrived.index) not in self._asked:
                 raise RuntimeError(f"rollout rank {leader} sent {arrived.kind} {arrived.index}, "
                                    "which was not asked for")

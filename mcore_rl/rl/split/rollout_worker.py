@@ -31,7 +31,7 @@ from mcore_rl.config import JobConfig
 from mcore_rl.observability.step_metrics import PhaseTimer
 from mcore_rl.observability.timeline import ROLLOUT_TIMELINE_FILE, Timeline
 from mcore_rl.runtime import initialize, read_launch_env, shutdown
-from mcore_rl.runtime.messages import ControlBoard, FailureNotice, Outbox
+from mcore_rl.runtime.messages import ControlBoard, Outbox
 from mcore_rl.runtime.preemption import PreemptionFlag
 
 from ..build import build_rule_reward, build_vllm_engine, settled_config, training_layout, \
@@ -62,10 +62,8 @@ class RolloutWorker:
         plan = weight_plan(config, training_layout(config, launch.world_size))
         self.engine, self.weight_sync = build_vllm_engine(config, config.sequence_length(),
                                                           plan, self.split.bridge)
-        timeout = datetime.timedelta(minutes=config.runtime.collective_timeout_minutes)
-        self.control = ControlBoard(self.split.store, timeout)
-        self.failure = FailureNotice(self.split.store, timeout)
-        self.job_rank = launch.rank
+        self.control = ControlBoard(self.split.store, datetime.timedelta(
+            minutes=config.runtime.collective_timeout_minutes))
         self.outbox = Outbox(self.split.messages)
         self.book = InstanceBook()
         self.timer = PhaseTimer()
@@ -88,7 +86,8 @@ class RolloutWorker:
         try:
             return self._serve()
         except BaseException as error:
-            self.failure.report(f"rollout rank {self.job_rank}: {type(error).__name__}: {error}")
+            self.split.failure.report(f"rollout rank {self.split.job.rank} failed: "
+                                      f"{type(error).__name__}: {error}")
             raise
 
     def _serve(self) -> int:
