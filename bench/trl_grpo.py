@@ -9,6 +9,13 @@ written once as an HF folder; both trainers start from it. Task: the toy copy ta
 "7"), the same 512 training prompts in the same order (no shuffling) and 64 held-out ones,
 scored by the same function (mcore_rl.rewards.toy.copy_score; accuracy = score 1).
 
+`--model smollm2` runs the real-model regime instead: SmolLM2-135M-Instruct (the packaged GGUF
+file converted once to runs/models/smollm2-135m-instruct) on reasoning-gym's basic_arithmetic as
+scripts/smollm2_recipe.sh sets it up (2 terms, 1-2 digits, + and -; chat prompts with SmolLM2's
+template), both sides scoring with mcore_rl.rewards.reasoning_gym_tasks.reasoning_gym_score:
+
+  * smollm2: 2 prompts x 8 samples, <= 128 new tokens, lr 0 (equal work per step, as `speed`).
+
 Each round runs, one process at a time, alternating which side goes first:
 
   * learn: both sides train `--learn-steps` steps in the shape of configs/grpo_toy.yaml (16
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -64,6 +72,10 @@ sys.path.insert(0, REPO)
 TRL_PYTHON = os.path.join(REPO, ".venv-trl", "bin", "python")
 OURS_PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 
+TRL_SIDES = {"trl": [], "trl-vllm": ["--vllm"]}
+"""TRL sides: a name and trl_side.py's extra arguments (trl-vllm: TRL's vLLM colocate mode,
+which needs vLLM in ./.venv-trl: bench/setup_trl.sh --vllm)."""
+
 VARIANTS = {
     "ours": {},
     "ours-engine-logp": {"rollout": {"old_logprobs": "engine"}},
@@ -72,9 +84,27 @@ VARIANTS = {
 measures one change alone, before/after in one run)."""
 
 REGIMES = {
-    "learn": {"prompts_per_step": 16, "n": 8, "max_new_tokens": 4},
+    "learn": {"prompts_per_step": 16, "n": 8, "max_new_tokens": 4, "learns": True},
     "speed": {"prompts_per_step": 2, "n": 8, "max_new_tokens": 64, "lr": 0.0},
+    "smollm2": {"prompts_per_step": 2, "n": 8, "max_new_tokens": 128, "lr": 0.0},
+    "smollm2-learn": {"prompts_per_step": 8, "n": 8, "max_new_tokens": 16, "lr": 1e-5,
+                      "learns": True, "model_dir": "sft_model"},
 }
+"""Step shapes. `learns`: --learn-steps steps with held-out accuracy every --eval-every steps
+(else --speed-steps, no evaluation); `model_dir`: the model folder under --work-dir (default
+"model"). The smollm2 regimes run on SmolLM2-135M-Instruct and reasoning-gym prompts (--model
+smollm2), smollm2-learn from scripts/smollm2_recipe.sh's SFT warm-up; the others on the toy
+Llama and the copy task."""
+
+MODEL_REGIMES = {"toy": ["learn", "speed"], "smollm2": ["smollm2", "smollm2-learn"]}
+MODEL_NAMES = {"toy": "Llama", "smollm2": "SmolLM2-135M-Instruct"}
+
+SMOLLM2_FOLDER = os.path.join(REPO, "runs", "models", "smollm2-135m-instruct")
+SMOLLM2_TASK = {"basic_arithmetic": {
+    "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
+    "allow_parentheses": False, "allow_negation": False}}
+SMOLLM2_SYSTEM = "Compute the result. Answer with just the number, no words."
+"""The task of scripts/smollm2_recipe.sh (docs/smollm2_example.md)."""
 
 
 # -- inputs shared by both sides -----------------------------------------------------------------
@@ -100,25 +130,77 @@ def write_model(folder: str, args) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def write_prompts(work_dir: str, args) -> None:
-    """train.jsonl / val.jsonl for TRL: exactly the records mcore_rl's data.toy source makes."""
-    from mcore_rl.config.data import VAL_SEED_OFFSET
-    from mcore_rl.data.toy import toy_copy_records
+def link_smollm2(folder: str) -> int:
+    """The converted SmolLM2-135M-Instruct HF folder (made once from the packaged GGUF file, as
+    docs/smollm2_example.md does), linked at `folder`; returns its parameter count."""
+    import safetensors
 
-    for name, records in (("train", toy_copy_records(args.train_size, args.data_seed)),
-                          ("val", toy_copy_records(args.val_size,
-                                                   args.data_seed + VAL_SEED_OFFSET))):
+    if not os.path.isdir(SMOLLM2_FOLDER):
+        from mcore_rl.conversion.gguf_to_hf import gguf_to_hf, smollm2_gguf_path
+
+        gguf_to_hf(smollm2_gguf_path(), SMOLLM2_FOLDER)
+    os.symlink(SMOLLM2_FOLDER, folder)
+    count = 0
+    for name in [n for n in os.listdir(folder) if n.endswith(".safetensors")]:
+        with safetensors.safe_open(os.path.join(folder, name), "numpy") as tensors:
+            count += sum(math.prod(tensors.get_slice(key).get_shape()) for key in tensors.keys())
+    return count
+
+
+def write_sft_model(folder: str, args) -> None:
+    """SmolLM2 after scripts/smollm2_recipe.sh's SFT warm-up (its stages 1-2, on 2 ranks),
+    converted to an HF folder at `folder` for both sides."""
+    recipe_dir = os.path.join(args.work_dir, "recipe")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=OURS_PYTHON, SMOLLM2_DIR=recipe_dir,
+               MASTER_PORT=str(_free_port()))
+    _run(["bash", os.path.join(REPO, "scripts", "smollm2_recipe.sh"), "--sft-only"], env,
+         recipe_dir + ".log")
+    _run([OURS_PYTHON, "-m", "mcore_rl", "convert", "mcore-to-hf", "--ckpt",
+          os.path.join(recipe_dir, "sft", "model"), "--out", folder], env, folder + ".log")
+
+
+def write_prompts(work_dir: str, args) -> None:
+    """train.jsonl / val.jsonl for TRL: exactly the records mcore_rl's data source makes (data.toy,
+    or data.reasoning_gym with --model smollm2), in the same order."""
+    from mcore_rl.config.data import VAL_SEED_OFFSET
+
+    if args.model == "smollm2":
+        from mcore_rl.config.data import ReasoningGymConfig
+        from mcore_rl.data.reasoning_gym_source import reasoning_gym_records
+
+        gym = ReasoningGymConfig(tasks=list(SMOLLM2_TASK), task_kwargs=SMOLLM2_TASK,
+                                 system_prompt=SMOLLM2_SYSTEM)
+        make = lambda size, seed: reasoning_gym_records(gym, size, seed)  # noqa: E731
+    else:
+        from mcore_rl.data.toy import toy_copy_records as make
+    for name, records in (("train", make(args.train_size, args.data_seed)),
+                          ("val", make(args.val_size, args.data_seed + VAL_SEED_OFFSET))):
         with open(os.path.join(work_dir, f"{name}.jsonl"), "w") as handle:
             for record in records:
                 handle.write(json.dumps({"prompt": record.prompt,
-                                         "ground_truth": record.ground_truth}) + "\n")
+                                         "ground_truth": record.ground_truth,
+                                         "data_source": record.data_source,
+                                         "extra_info": json.dumps(record.extra_info)}) + "\n")
+
+
+def data_section(args) -> dict:
+    """mcore_rl's data config for the prompts write_prompts gives TRL."""
+    if args.model == "smollm2":
+        return {"max_prompt_tokens": 128, "shuffle": False, "apply_chat_template": "auto",
+                "reasoning_gym": {"tasks": list(SMOLLM2_TASK), "task_kwargs": SMOLLM2_TASK,
+                                  "system_prompt": SMOLLM2_SYSTEM, "size": args.train_size,
+                                  "val_size": args.val_size, "seed": args.data_seed}}
+    return {"max_prompt_tokens": 8, "shuffle": False,
+            "toy": {"size": args.train_size, "val_size": args.val_size, "seed": args.data_seed}}
 
 
 def settings(regime: str, args) -> dict:
     shape = dict(REGIMES[regime])
     shape.setdefault("lr", args.lr)
-    shape["steps"] = args.learn_steps if regime == "learn" else args.speed_steps
-    shape["eval_every"] = args.eval_every if regime == "learn" else 0
+    learns = shape.pop("learns", False)
+    shape["steps"] = args.learn_steps if learns else args.speed_steps
+    shape["eval_every"] = args.eval_every if learns else 0
+    shape["model"] = os.path.join(args.work_dir, shape.pop("model_dir", "model"))
     return shape
 
 
@@ -133,10 +215,8 @@ def run_ours(regime: str, seed: int, out_dir: str, args, variant: str = "ours") 
     s = settings(regime, args)
     rows_per_rank = s["prompts_per_step"] // args.ours_ranks * s["n"]
     config = {
-        "init": {"hf_path": os.path.join(args.work_dir, "model")},
-        "data": {"max_prompt_tokens": 8, "shuffle": False,
-                 "toy": {"size": args.train_size, "val_size": args.val_size,
-                         "seed": args.data_seed}},
+        "init": {"hf_path": s["model"]},
+        "data": data_section(args),
         "algorithm": {"estimator": "grpo", "norm_adv_by_std_in_grpo": True,
                       "policy_loss": "ppo", "clip_ratio_low": args.clip,
                       "clip_ratio_high": args.clip, "loss_aggregation": "token-mean",
@@ -188,12 +268,12 @@ def run_ours(regime: str, seed: int, out_dir: str, args, variant: str = "ours") 
     return result
 
 
-def run_trl(regime: str, seed: int, out_dir: str, args) -> dict:
+def run_trl(regime: str, seed: int, out_dir: str, args, side: str = "trl") -> dict:
     s = settings(regime, args)
     out_json = out_dir + ".json"
     t0 = time.time()
     command = [TRL_PYTHON, os.path.join(REPO, "bench", "trl_side.py"),
-               "--model", os.path.join(args.work_dir, "model"),
+               "--model", s["model"],
                "--train", os.path.join(args.work_dir, "train.jsonl"),
                "--val", os.path.join(args.work_dir, "val.jsonl"), "--out", out_json,
                "--work-dir", out_dir, "--t0", repr(t0), "--steps", str(s["steps"]),
@@ -201,7 +281,9 @@ def run_trl(regime: str, seed: int, out_dir: str, args) -> dict:
                "--prompts-per-step", str(s["prompts_per_step"]), "--n", str(s["n"]),
                "--max-new-tokens", str(s["max_new_tokens"]), "--lr", repr(s["lr"]),
                "--beta", repr(args.beta), "--clip", repr(args.clip), "--seed", str(seed),
-               "--threads", str(args.trl_threads)]
+               "--threads", str(args.trl_threads),
+               "--task", "reasoning_gym" if args.model == "smollm2" else "toy",
+               *TRL_SIDES[side]]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads))
     cpu = _run(command, env, out_dir + ".log")
     wall = time.time() - t0
@@ -268,30 +350,30 @@ def _fmt(value, digits=2, suffix="") -> str:
 
 
 def print_tables(records: list, args, parameters: int) -> None:
-    names = {"trl": "TRL 1.16", "ours": "mcore_rl"}
-    for regime in [r for r in ("learn", "speed") if any(x["regime"] == r for x in records)]:
+    names = {"trl": "TRL 1.16", "trl-vllm": "TRL+vLLM", "ours": "mcore_rl"}
+    for regime in [r for r in REGIMES if any(x["regime"] == r for x in records)]:
         s = settings(regime, args)
         print(f"\n== {regime}: {s['prompts_per_step']} prompts x {s['n']} samples, <= "
               f"{s['max_new_tokens']} new tokens, lr {s['lr']:g}, KL loss {args.beta:g}, "
-              f"{s['steps']} steps; {parameters / 1e6:.1f}M-param Llama; mcore_rl "
-              f"{args.ours_ranks} rank(s) x 1 thread, TRL 1 process x {args.trl_threads} "
+              f"{s['steps']} steps; {parameters / 1e6:.1f}M-param {MODEL_NAMES[args.model]}; "
+              f"mcore_rl {args.ours_ranks} rank(s) x 1 thread, TRL 1 process x {args.trl_threads} "
               f"thread(s)")
         header = (f"{'round':<6}{'side':<10}{'step s':>8}{'p25 s':>7}{'gen tok/s':>10}"
                   f"{'tok/step':>9}{'startup s':>10}")
-        if regime == "learn":
+        if s["eval_every"]:
             header += (f"{'acc>=' + format(args.threshold, 'g') + ' @step':>15}"
                        f"{'train s':>9}{'wall s':>8}{'last acc':>9}{'eval s':>8}")
         header += f"{'run s':>7}{'CPU s':>7}{'load before/after':>19}"
         print(header)
         rows = [x for x in records if x["regime"] == regime]
-        sides = [side for side in ("trl", *VARIANTS) if any(x["side"] == side for x in rows)]
+        sides = [side for side in (*TRL_SIDES, *VARIANTS) if any(x["side"] == side for x in rows)]
         for record in rows:
             summary = record["summary"]
             line = (f"{record['round']:<6}{names.get(record['side'], record['side']):<10}"
                     f"{summary['step_median']:>8.3f}{summary['step_p25']:>7.3f}"
                     f"{summary['tokens_per_s']:>10.1f}"
                     f"{summary['tokens_per_step']:>9.1f}{summary['startup']:>10.1f}")
-            if regime == "learn":
+            if s["eval_every"]:
                 line += (f"{_fmt(summary.get('reached_step'), 0):>15}"
                          f"{_fmt(summary.get('train_to_acc'), 1):>9}"
                          f"{_fmt(summary.get('wall_to_acc'), 1):>8}"
@@ -314,8 +396,9 @@ def print_tables(records: list, args, parameters: int) -> None:
 
         phase_rows = {side: _median_phases([x for x in rows if x["side"] == side])
                       for side in sides}
-        pairs = [("trl", "ours")] * ("trl" in sides and "ours" in sides) + [
-            ("ours", side) for side in sides if side not in ("trl", "ours") and "ours" in sides]
+        ours_sides = [side for side in sides if side in VARIANTS]
+        pairs = [(trl, ours) for trl in TRL_SIDES if trl in sides for ours in ours_sides] + [
+            ("ours", side) for side in ours_sides if side != "ours" and "ours" in sides]
         for baseline, side in pairs:
             pooled = phase_rows[baseline]["step"] / phase_rows[side]["step"]
             print(f"{names.get(baseline, baseline)} / {names.get(side, side)} (> 1: "
@@ -328,7 +411,7 @@ def print_tables(records: list, args, parameters: int) -> None:
                   f"{ratio(baseline, side, 'cpu')}" + (
                       f", train time to acc {ratio(baseline, side, 'train_to_acc')}, wall time "
                       f"to acc {ratio(baseline, side, 'wall_to_acc')}, one evaluation "
-                      f"{ratio(baseline, side, 'eval_s')}" if regime == "learn" else ""))
+                      f"{ratio(baseline, side, 'eval_s')}" if s["eval_every"] else ""))
         print("median seconds per step by phase (steps 2..N of all rounds; medians resist "
               "other jobs' load, so the phases need not add up to the step):")
         for side in sides:
@@ -351,9 +434,14 @@ def _median_phases(records: list) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--regimes", default="learn,speed", help="comma list: learn, speed")
+    parser.add_argument("--model", choices=sorted(MODEL_REGIMES), default="toy",
+                        help="toy: the seeded 8.4M Llama on the copy task; smollm2: "
+                        "SmolLM2-135M-Instruct on reasoning-gym arithmetic")
+    parser.add_argument("--regimes", help="comma list (default: all of the model's): "
+                        "learn, speed (toy); smollm2 (smollm2)")
     parser.add_argument("--sides", default="trl,ours",
-                        help="comma list: trl and VARIANTS' names (ours, ours-engine-logp)")
+                        help="comma list of TRL_SIDES' and VARIANTS' names (trl, trl-vllm, ours, "
+                        "ours-engine-logp)")
     parser.add_argument("--learn-steps", type=int, default=20)
     parser.add_argument("--speed-steps", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=2)
@@ -379,23 +467,33 @@ def main() -> None:
     if args.report:
         with open(args.report) as handle:
             saved = json.load(handle)
+        saved["args"].setdefault("model", "toy")  # results from before --model
         for record in saved["records"]:
             record["summary"] = summarize(record["result"], saved["args"]["threshold"])
         print_tables(saved["records"], argparse.Namespace(**saved["args"]), saved["parameters"])
         return
     sides = args.sides.split(",")
-    unknown = [side for side in sides if side != "trl" and side not in VARIANTS]
+    regimes = args.regimes.split(",") if args.regimes else MODEL_REGIMES[args.model]
+    foreign = [regime for regime in regimes if regime not in MODEL_REGIMES[args.model]]
+    if foreign:
+        raise SystemExit(f"--regimes {foreign} do not run on --model {args.model}; its regimes: "
+                         f"{', '.join(MODEL_REGIMES[args.model])}")
+    unknown = [side for side in sides if side not in TRL_SIDES and side not in VARIANTS]
     if unknown:
-        raise SystemExit(f"--sides: unknown {unknown}; known: trl, {', '.join(VARIANTS)}")
-    if "trl" in sides and not os.path.exists(TRL_PYTHON):
+        raise SystemExit(f"--sides: unknown {unknown}; known: "
+                         f"{', '.join([*TRL_SIDES, *VARIANTS])}")
+    if any(side in TRL_SIDES for side in sides) and not os.path.exists(TRL_PYTHON):
         raise SystemExit(f"{TRL_PYTHON} not found: run bash bench/setup_trl.sh first")
 
     if os.path.isdir(args.work_dir):
         shutil.rmtree(args.work_dir)
     os.makedirs(args.work_dir)
-    parameters = write_model(os.path.join(args.work_dir, "model"), args)
+    model_folder = os.path.join(args.work_dir, "model")
+    parameters = (link_smollm2(model_folder) if args.model == "smollm2" else
+                  write_model(model_folder, args))
     write_prompts(args.work_dir, args)
-    regimes = args.regimes.split(",")
+    if "smollm2-learn" in regimes:
+        write_sft_model(os.path.join(args.work_dir, REGIMES["smollm2-learn"]["model_dir"]), args)
     records = []
     started = time.time()
     for round_index in range(args.rounds):
@@ -405,8 +503,8 @@ def main() -> None:
                 name = f"r{round_index + 1}_{regime}_{side}"
                 load_before = os.getloadavg()[0]
                 out_dir = os.path.join(args.work_dir, name)
-                if side == "trl":
-                    result = run_trl(regime, args.seed + round_index, out_dir, args)
+                if side in TRL_SIDES:
+                    result = run_trl(regime, args.seed + round_index, out_dir, args, side)
                 else:
                     result = run_ours(regime, args.seed + round_index, out_dir, args, side)
                 record = {"round": round_index + 1, "regime": regime, "side": side,

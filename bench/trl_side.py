@@ -2,7 +2,8 @@
 the benchmark's model, prompts and settings, timed per step and per phase.
 
 Runs in ./.venv-trl (bench/setup_trl.sh), never in the project's ./.venv; bench/trl_grpo.py
-starts it and reads the JSON it writes:
+starts it and reads the JSON it writes. Prompts are text or chat messages (TRL applies the
+model's chat template to those); `--task` picks the mcore_rl reward that scores them:
 
     .venv-trl/bin/python bench/trl_side.py --model DIR --train FILE --val FILE --out FILE ...
 
@@ -28,14 +29,19 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _copy_score():
-    """mcore_rl's toy reward, loaded from its file (the package itself is not installed in this
+def _scorer(module_file: str, function: str):
+    """An mcore_rl reward loaded from its file (the package itself is not installed in this
     venv): the exact function the mcore_rl side scores with."""
-    path = os.path.join(REPO, "mcore_rl", "rewards", "toy.py")
-    spec = importlib.util.spec_from_file_location("mcore_rl_toy_reward", path)
+    spec = importlib.util.spec_from_file_location(f"mcore_rl_reward_{function}", os.path.join(
+        REPO, "mcore_rl", "rewards", module_file))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.copy_score
+    return getattr(module, function)
+
+
+SCORERS = {"toy": ("toy.py", "copy_score"),
+           "reasoning_gym": ("reasoning_gym_tasks.py", "reasoning_gym_score")}
+"""--task -> mcore_rl's reward for it (file under mcore_rl/rewards/, function)."""
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -62,6 +68,10 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--task", choices=sorted(SCORERS), default="toy",
+                        help="which reward scores the rows (their data_source picks the task)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="generate with TRL's vLLM colocate mode (vLLM in this venv)")
     args = parser.parse_args()
 
     import torch
@@ -72,19 +82,23 @@ def main() -> None:
         PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    copy_score = _copy_score()
+    score = _scorer(*SCORERS[args.task])
     train = Dataset.from_list(_read_jsonl(args.train))
     val = _read_jsonl(args.val)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
 
-    def copy_reward(prompts, completions, ground_truth, **_):
-        return [copy_score("toy/copy", completion, truth, {})
-                for completion, truth in zip(completions, ground_truth)]
+    def reward(prompts, completions, ground_truth, data_source, extra_info, **_):
+        # Chat prompts give completions as [{"role": "assistant", "content": text}].
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [score(source, text, truth, json.loads(info))
+                for text, truth, source, info in zip(texts, ground_truth, data_source,
+                                                     extra_info)]
 
     config = GRPOConfig(
         output_dir=os.path.join(args.work_dir, "trl_out"), use_cpu=True, bf16=False, fp16=False,
-        use_vllm=False, seed=args.seed, max_steps=args.steps,
+        use_vllm=args.vllm, vllm_mode="colocate", vllm_enable_sleep_mode=False,
+        seed=args.seed, max_steps=args.steps,
         per_device_train_batch_size=args.prompts_per_step * args.n,
         gradient_accumulation_steps=1, num_generations=args.n, num_iterations=1,
         max_completion_length=args.max_new_tokens, temperature=args.temperature, top_p=1.0,
@@ -108,7 +122,7 @@ def main() -> None:
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
         return wrapper
 
-    trainer = GRPOTrainer(model=model, reward_funcs=copy_reward, args=config,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
                           train_dataset=train, processing_class=tokenizer)
     for name, method, when in (
             ("generate", "_generate", None),
@@ -120,7 +134,10 @@ def main() -> None:
             ("training_step", "training_step", None)):
         setattr(trainer, method, timed(name, getattr(trainer, method), when or (lambda: True)))
 
-    val_ids = tokenizer([row["prompt"] for row in val], return_tensors="pt", padding=True,
+    val_prompts = [row["prompt"] if isinstance(row["prompt"], str) else
+                   tokenizer.apply_chat_template(row["prompt"], tokenize=False,
+                                                 add_generation_prompt=True) for row in val]
+    val_ids = tokenizer(val_prompts, return_tensors="pt", padding=True,
                         padding_side="left", add_special_tokens=False)
     greedy = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens,
                               eos_token_id=tokenizer.eos_token_id,
@@ -146,7 +163,7 @@ def main() -> None:
             if tokenizer.eos_token_id in row:
                 row = row[:row.index(tokenizer.eos_token_id) + 1]
             texts.append(tokenizer.decode(row, skip_special_tokens=True))
-        scores = [copy_score("toy/copy", text, r["ground_truth"], {})
+        scores = [score(r["data_source"], text, r["ground_truth"], json.loads(r["extra_info"]))
                   for text, r in zip(texts, val)]
         model.train(was_training)
         result["evals"].append({"step": step, "accuracy": sum(s >= 1.0 for s in scores) /

@@ -7,6 +7,7 @@
 # every 10 steps and after. Figures: docs/smollm2_example.md.
 #
 #   bash scripts/smollm2_recipe.sh [extra mcore-rl train overrides]     # SMOLLM2_DIR moves it
+#   bash scripts/smollm2_recipe.sh --sft-only    # stages 1-2 (bench/trl_grpo.py's smollm2-learn)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
@@ -45,9 +46,12 @@ phase "2/3 SFT warm-up (1 epoch of 224 demonstrations)"
   sft.max_length=96 sft.epochs=1 sft.batch_size=16 sft.micro_batch_size=8 sft.eval_every=7 \
   sft.optimizer.lr=1e-5 runtime.precision=fp32 trainer.console_every=7
 
+if [ "${1:-}" = "--sft-only" ]; then echo "SFT weights in $DIR/sft/model"; exit 0; fi
+
 phase "3/3 GRPO from the SFT weights"
 ranks train --config configs/grpo_smollm2_reasoning_gym.yaml init.hf_path=null \
-  init.checkpoint="$DIR/sft/model" runtime.output_dir="$DIR/grpo" "data.reasoning_gym.task_kwargs=$TASK" \
+  init.checkpoint="$DIR/sft/model" runtime.output_dir="$DIR/grpo" \
+  "data.reasoning_gym.task_kwargs=$TASK" \
   data.reasoning_gym.val_size=64 rollout.sampling.max_new_tokens=16 \
   rollout.eval_sampling.max_new_tokens=16 rollout.prompts_per_step=8 rollout.old_logprobs=engine \
   trainer.total_steps=20 trainer.eval_every=10 "$@"
