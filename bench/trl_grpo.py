@@ -15,6 +15,9 @@ scripts/smollm2_recipe.sh sets it up (2 terms, 1-2 digits, + and -; chat prompts
 template), both sides scoring with mcore_rl.rewards.reasoning_gym_tasks.reasoning_gym_score:
 
   * smollm2: 2 prompts x 8 samples, <= 128 new tokens, lr 0 (equal work per step, as `speed`).
+  * smollm2-learn: the recipe's GRPO stage (8 prompts x 8 samples, <= 16 new tokens, lr 1e-5)
+    from its SFT warm-up (run once per benchmark, on 2 ranks, and converted to HF for both
+    sides), held-out accuracy every --eval-every steps, as `learn`.
 
 Each round runs, one process at a time, alternating which side goes first:
 
@@ -76,12 +79,19 @@ TRL_SIDES = {"trl": [], "trl-vllm": ["--vllm"]}
 """TRL sides: a name and trl_side.py's extra arguments (trl-vllm: TRL's vLLM colocate mode,
 which needs vLLM in ./.venv-trl: bench/setup_trl.sh --vllm)."""
 
+TOKEN_BUDGET = 1024
+"""actor.max_tokens_per_micro_batch of the token-budget variants: a few rows per micro-batch of
+SmolLM2's 16 x <= 256 tokens, each micro-batch cut to its own longest row."""
+
 VARIANTS = {
     "ours": {},
     "ours-engine-logp": {"rollout": {"old_logprobs": "engine"}},
+    "ours-token-budget": {"actor": {"max_tokens_per_micro_batch": TOKEN_BUDGET}},
+    "ours-best": {"rollout": {"old_logprobs": "engine"},
+                  "actor": {"max_tokens_per_micro_batch": TOKEN_BUDGET}},
 }
 """mcore_rl sides: a name and the config sections it changes (`--sides ours,ours-engine-logp`
-measures one change alone, before/after in one run)."""
+measures one change alone, before/after in one run; ours-best is every change together)."""
 
 REGIMES = {
     "learn": {"prompts_per_step": 16, "n": 8, "max_new_tokens": 4, "learns": True},
