@@ -1,7 +1,8 @@
 """Token-budget micro-batches (actor/critic.max_tokens_per_micro_batch): rows sorted by length,
 packed up to a budget of padded tokens and cut to their own longest row. The split is checked
 against its definition, and the model scores and trains on such micro-batches exactly as on
-fixed ones, also through a 2-stage pipeline where micro-batch shapes vary."""
+fixed ones, also through a 2-stage pipeline where micro-batch shapes vary. So does a batch that
+names the positions it uses (`output_mask`: no logits before them)."""
 
 import pytest
 import torch
@@ -52,3 +53,15 @@ def test_scores_and_updates_match_fixed_micro_batches(tmp_path, pipeline):
         assert (budget[name][~mask] == 0).all()
     assert budget["loss"] == pytest.approx(fixed["loss"], rel=1e-5)
     assert budget["grad_norm"] == pytest.approx(fixed["grad_norm"], rel=1e-4)
+
+    sliced, used = saved["results"]["output_mask"], saved["batch"]["loss_mask"].bool()
+    for name in ("logprobs", "entropy", "logprobs_after"):
+        torch.testing.assert_close(sliced[name][used], fixed[name][used], atol=1e-5, rtol=1e-5)
+    # Micro-batches of 2 rows: no output before the first used position of either row.
+    first = used.reshape(-1, 2, used.shape[1]).any(dim=1).float().argmax(dim=1)
+    for micro_batch, start in enumerate(first.tolist()):
+        rows = slice(2 * micro_batch, 2 * micro_batch + 2)
+        assert (sliced["logprobs"][rows, :start] == 0).all()
+        assert (fixed["logprobs"][rows, 1:start] != 0).all()
+    assert sliced["loss"] == pytest.approx(fixed["loss"], rel=1e-5)
+    assert sliced["grad_norm"] == pytest.approx(fixed["grad_norm"], rel=1e-4)

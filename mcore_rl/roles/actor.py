@@ -42,17 +42,27 @@ class Actor:
 
     def logprobs(self, batch: dict) -> dict:
         """{'logprobs', 'entropy'} [n, s] of the batch's tokens under the current policy."""
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        return compute_outputs(self.trainable.chunks, inputs, self.micro_batch_size, "lm",
-                               self.vocab_size, self.temperature, self.max_tokens)
+        return compute_outputs(self.trainable.chunks, scoring_inputs(batch),
+                               self.micro_batch_size, "lm", self.vocab_size, self.temperature,
+                               self.max_tokens)
 
     def update(self, mini_batch: dict) -> dict:
         """One optimizer step on a mini-batch; metrics identical on every rank."""
         inputs = {name: mini_batch[name] for name in ACTOR_INPUTS if name in mini_batch}
+        inputs["output_mask"] = mini_batch["loss_mask"]
         objective = partial(actor_objective, config=self.algorithm, correction=self.correction)
         metrics = train_step(self.trainable, inputs, self.micro_batch_size, objective, "lm",
                              self.vocab_size, self.temperature, self.max_tokens)
         return role_metrics(metrics, "actor")
+
+
+def scoring_inputs(batch: dict) -> dict:
+    """What a forward pass over `batch` needs; its `response_mask`, when it has one, as the
+    positions whose log-probs are used (prompt positions then get no logits)."""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if "response_mask" in batch:
+        inputs["output_mask"] = batch["response_mask"]
+    return inputs
 
 
 def role_metrics(metrics: dict, role: str) -> dict:

@@ -6,6 +6,8 @@ import torch
 
 from mcore_rl.training import compute_outputs
 
+from .actor import scoring_inputs
+
 
 class Reference:
     """A frozen Megatron policy (no optimizer, no DDP); optionally parked in CPU memory."""
@@ -31,8 +33,7 @@ class Reference:
         of `micro_batch_size` rows when given, else the role's)."""
         if self.offload:
             self.module.to(self.device)
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        logprobs = compute_outputs([self.module], inputs,
+        logprobs = compute_outputs([self.module], scoring_inputs(batch),
                                    micro_batch_size or self.micro_batch_size, "lm",
                                    self.vocab_size, self.temperature,
                                    self.max_tokens)["logprobs"]

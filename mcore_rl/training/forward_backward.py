@@ -5,6 +5,12 @@ LM head, values for a scalar head) on every rank of the model-parallel group: th
 stage computes them and broadcasts them to the other stages, so SPMD code after it can treat
 all ranks alike. `train_step` runs forward-backward and one optimizer step.
 
+A batch may name the positions whose outputs its caller uses (`output_mask`, e.g. the response
+tokens of an RL batch): the output layer then runs only from the first such position of each
+micro-batch on. Prompt positions of an RL batch need no logits; with a vocabulary of 50-150k
+the LM head and its log-softmax are a fifth or more of a small model's forward pass (TRL's
+`logits_to_keep` does the same). Outputs before that position are 0.
+
 Batches may live anywhere (the trainer keeps them in host memory): each micro-batch is moved to
 the model's device as the schedule asks for it, so only one micro-batch at a time occupies the
 GPU, and outputs come back on the device of the batch that was passed in.
@@ -18,6 +24,7 @@ token-mean, a sequence-mean or any other aggregation is exact whatever the layou
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from functools import partial
 from typing import Callable
 
@@ -36,19 +43,52 @@ LossFn = Callable[[dict, Batch], tuple]
 
 def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
                        vocab_size: int, temperature: float) -> dict:
-    """Megatron's last-stage output [b, s, v_local or 1] -> token-aligned [b, s] tensors.
-    Logits are divided by the sampling temperature (in fp32, as the engine does), so log-probs
-    score the distribution the engine sampled from."""
+    """Megatron's last-stage output [b, s', v_local or 1] for the last s' <= s positions ->
+    token-aligned [b, s] tensors. Logits are divided by the sampling temperature (in fp32, as
+    the engine does), so log-probs score the distribution the engine sampled from."""
     from megatron.core import parallel_state
 
     mask = micro_batch["attention_mask"]
+    first = mask.shape[1] - output.shape[1]
+
+    def aligned(per_position: torch.Tensor) -> torch.Tensor:
+        return align_to_tokens(torch.nn.functional.pad(per_position, (first, 0)), mask)
+
     if head == "scalar":
-        return {"values": align_to_tokens(output.squeeze(-1).float(), mask)}
-    next_tokens = torch.roll(micro_batch["input_ids"], shifts=-1, dims=1)
+        return {"values": aligned(output.squeeze(-1).float())}
+    next_tokens = torch.roll(micro_batch["input_ids"], shifts=-1, dims=1)[:, first:]
     logprobs, entropy = vocab_parallel_logprobs_and_entropy(
         output, next_tokens, vocab_size, parallel_state.get_tensor_model_parallel_group(),
         temperature)
-    return {"logprobs": align_to_tokens(logprobs, mask), "entropy": align_to_tokens(entropy, mask)}
+    return {"logprobs": aligned(logprobs), "entropy": aligned(entropy)}
+
+
+def _first_output_position(micro_batch: Batch) -> int:
+    """The first position whose output is used: the one before the first token of
+    `output_mask` (the output at t - 1 is about token t); 0 without a mask."""
+    mask = micro_batch.get("output_mask")
+    if mask is None:
+        return 0
+    columns = mask.bool().any(dim=0).nonzero()
+    return max(int(columns[0]) - 1, 0) if len(columns) else 0
+
+
+@contextmanager
+def _output_layer_from(model, first: int):
+    """While open, the model's output layer (last stage only) sees hidden states [s, b, h]
+    from position `first` on. Not with sequence parallelism: its hidden states are split along
+    s over the TP ranks until the output layer gathers them."""
+    while hasattr(model, "module"):
+        model = model.module
+    head = getattr(model, "output_layer", None)
+    if first == 0 or head is None or head.sequence_parallel:
+        yield
+        return
+    handle = head.register_forward_pre_hook(lambda _, args: (args[0][first:], *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _forward_step(head: str, vocab_size: int, temperature: float, loss_fn: LossFn | None,
@@ -56,7 +96,8 @@ def _forward_step(head: str, vocab_size: int, temperature: float, loss_fn: LossF
     micro_batch = to_device(next(data_iterator), device)
     input_ids = micro_batch["input_ids"]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    output = model(input_ids, positions, attention_mask=None)
+    with _output_layer_from(model, _first_output_position(micro_batch)):
+        output = model(input_ids, positions, attention_mask=None)
 
     def loss_func(output_tensor, non_loss_data: bool = False):
         outputs = _per_token_outputs(output_tensor, micro_batch, head, vocab_size, temperature)
