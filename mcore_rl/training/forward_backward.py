@@ -93,10 +93,12 @@ def _output_layer_from(model, first: int):
 
 def _forward_step(head: str, vocab_size: int, temperature: float, loss_fn: LossFn | None,
                   device: torch.device, data_iterator, model):
-    micro_batch = to_device(next(data_iterator), device)
+    micro_batch = next(data_iterator)
+    first = _first_output_position(micro_batch)  # before the copy: no device sync
+    micro_batch = to_device(micro_batch, device)
     input_ids = micro_batch["input_ids"]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    with _output_layer_from(model, _first_output_position(micro_batch)):
+    with _output_layer_from(model, first):
         output = model(input_ids, positions, attention_mask=None)
 
     def loss_func(output_tensor, non_loss_data: bool = False):
