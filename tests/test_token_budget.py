@@ -54,14 +54,20 @@ def test_scores_and_updates_match_fixed_micro_batches(tmp_path, pipeline):
     assert budget["loss"] == pytest.approx(fixed["loss"], rel=1e-5)
     assert budget["grad_norm"] == pytest.approx(fixed["grad_norm"], rel=1e-4)
 
-    sliced, used = saved["results"]["output_mask"], saved["batch"]["loss_mask"].bool()
-    for name in ("logprobs", "entropy", "logprobs_after"):
-        torch.testing.assert_close(sliced[name][used], fixed[name][used], atol=1e-5, rtol=1e-5)
-    # Micro-batches of 2 rows: no output before the first used position of either row.
+    used = saved["batch"]["loss_mask"].bool()
+    # With an output_mask, alone and with a token budget (as ours-best runs): equal on the used
+    # positions.
+    for variant in ("output_mask", "budget_output_mask"):
+        sliced = saved["results"][variant]
+        for name in ("logprobs", "entropy", "logprobs_after"):
+            torch.testing.assert_close(sliced[name][used], fixed[name][used], atol=1e-5,
+                                       rtol=1e-5)
+        assert sliced["loss"] == pytest.approx(fixed["loss"], rel=1e-5)
+        assert sliced["grad_norm"] == pytest.approx(fixed["grad_norm"], rel=1e-4)
+    # Fixed micro-batches of 2 rows: no output before the first used position of either row.
+    sliced = saved["results"]["output_mask"]
     first = used.reshape(-1, 2, used.shape[1]).any(dim=1).float().argmax(dim=1)
     for micro_batch, start in enumerate(first.tolist()):
         rows = slice(2 * micro_batch, 2 * micro_batch + 2)
         assert (sliced["logprobs"][rows, :start] == 0).all()
         assert (fixed["logprobs"][rows, 1:start] != 0).all()
-    assert sliced["loss"] == pytest.approx(fixed["loss"], rel=1e-5)
-    assert sliced["grad_norm"] == pytest.approx(fixed["grad_norm"], rel=1e-4)

@@ -1,7 +1,7 @@
 """One rank of a token-budget world (run by tests/test_token_budget.py): the same model and
 batch scored and trained with fixed micro-batches, with token-budget micro-batches, and with
-an `output_mask` (the output layer only from the first "response" position on), the loss
-always over the "response" positions."""
+an `output_mask` (the output layer only from the first "response" position on), alone and with
+a token budget; the loss always over the "response" positions."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def compare_micro_batching(out_path: str, pipeline: int, max_tokens: int) -> Non
     sliced = dict(batch, output_mask=batch["loss_mask"])
     results = {}
     for name, rows, budget in (("fixed", batch, 0), ("budget", batch, max_tokens),
-                               ("output_mask", sliced, 0)):
+                               ("output_mask", sliced, 0),
+                               ("budget_output_mask", sliced, max_tokens)):
         seed_everything(config.runtime.seed)
         trainable = make_trainable(build_gpt_model(config.model, config.parallel),
                                    config.optimizer, "fp32")

@@ -78,9 +78,9 @@ def _output_layer_from(model, first: int):
     """While open, the model's output layer (last stage only) sees hidden states [s, b, h]
     from position `first` on. Not with sequence parallelism: its hidden states are split along
     s over the TP ranks until the output layer gathers them."""
-    while hasattr(model, "module"):
-        model = model.module
-    head = getattr(model, "output_layer", None)
+    from megatron.core.utils import unwrap_model
+
+    head = getattr(unwrap_model(model), "output_layer", None)
     if first == 0 or head is None or head.sequence_parallel:
         yield
         return
