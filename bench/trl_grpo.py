@@ -35,7 +35,8 @@ Same on both sides: model and weights, prompts and their order, n, temperature 1
 max new tokens, GRPO advantages (group mean, divided by the group std), PPO-clip 0.2 both ways,
 one optimizer step per batch (no mini-batches, one epoch), token-mean loss over the batch (TRL's
 "dapo"), KL to the reference as a k3 loss term with coefficient --beta, AdamW (0.9, 0.999, 1e-8,
-no weight decay), constant LR, gradient clipping at 1.0, fp32. Different by design: TRL
+no weight decay), constant LR, gradient clipping at 1.0, fp32 (bf16 on both with --precision
+bf16: each framework's own mixed precision). Different by design: TRL
 generates with transformers' generate on the training model (use_vllm=False) and, with one
 iteration per batch, takes the old log-probs as the detached current ones; mcore_rl generates
 with vLLM (weights pushed every step), recomputes the old log-probs in a separate forward pass,
@@ -244,7 +245,7 @@ def run_ours(regime: str, seed: int, out_dir: str, args, variant: str = "ours") 
         "trainer": {"total_steps": s["steps"], "eval_every": s["eval_every"],
                     "ppo_epochs": 1, "mini_batches": 1, "tensorboard": False,
                     "plots": False},
-        "runtime": {"output_dir": out_dir, "seed": seed},
+        "runtime": {"output_dir": out_dir, "seed": seed, "precision": args.precision},
     }
     for section, values in VARIANTS[variant].items():
         config[section].update(values)
@@ -293,7 +294,7 @@ def run_trl(regime: str, seed: int, out_dir: str, args, side: str = "trl") -> di
                "--beta", repr(args.beta), "--clip", repr(args.clip), "--seed", str(seed),
                "--threads", str(args.trl_threads),
                "--task", "reasoning_gym" if args.model == "smollm2" else "toy",
-               *TRL_SIDES[side]]
+               "--precision", args.precision, *TRL_SIDES[side]]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads))
     cpu = _run(command, env, out_dir + ".log")
     wall = time.time() - t0
@@ -365,7 +366,8 @@ def print_tables(records: list, args, parameters: int) -> None:
         s = settings(regime, args)
         print(f"\n== {regime}: {s['prompts_per_step']} prompts x {s['n']} samples, <= "
               f"{s['max_new_tokens']} new tokens, lr {s['lr']:g}, KL loss {args.beta:g}, "
-              f"{s['steps']} steps; {parameters / 1e6:.1f}M-param {MODEL_NAMES[args.model]}; "
+              f"{s['steps']} steps, {getattr(args, 'precision', 'fp32')}; "
+              f"{parameters / 1e6:.1f}M-param {MODEL_NAMES[args.model]}; "
               f"mcore_rl {args.ours_ranks} rank(s) x 1 thread, TRL 1 process x {args.trl_threads} "
               f"thread(s)")
         header = (f"{'round':<6}{'side':<10}{'step s':>8}{'p25 s':>7}{'gen tok/s':>10}"
@@ -468,6 +470,10 @@ def main() -> None:
     parser.add_argument("--model-seed", type=int, default=0)
     parser.add_argument("--seed", type=int, default=1, help="sampling seed of round 1 (+1 per "
                         "round, the same on both sides)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="both sides: bf16 is TRL's bf16=True (autocast over fp32 weights) "
+                             "and mcore_rl's runtime.precision=bf16 (bf16 weights, fp32 master "
+                             "weights, vLLM in bf16)")
     parser.add_argument("--ours-ranks", type=int, default=1)
     parser.add_argument("--trl-threads", type=int, default=1)
     parser.add_argument("--work-dir", default="/tmp/trl_work/bench")

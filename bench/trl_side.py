@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--task", choices=sorted(SCORERS), default="toy",
                         help="which reward scores the rows (their data_source picks the task)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: the Trainer's bf16=True (autocast over fp32 weights)")
     parser.add_argument("--vllm", action="store_true",
                         help="generate with TRL's vLLM colocate mode (vLLM in this venv)")
     args = parser.parse_args()
@@ -96,7 +98,8 @@ def main() -> None:
                                                      extra_info)]
 
     config = GRPOConfig(
-        output_dir=os.path.join(args.work_dir, "trl_out"), use_cpu=True, bf16=False, fp16=False,
+        output_dir=os.path.join(args.work_dir, "trl_out"), use_cpu=True,
+        bf16=args.precision == "bf16", fp16=False,
         use_vllm=args.vllm, vllm_mode="colocate", vllm_enable_sleep_mode=False,
         seed=args.seed, max_steps=args.steps,
         per_device_train_batch_size=args.prompts_per_step * args.n,
