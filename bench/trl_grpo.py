@@ -90,9 +90,12 @@ VARIANTS = {
     "ours-token-budget": {"actor": {"max_tokens_per_micro_batch": TOKEN_BUDGET}},
     "ours-best": {"rollout": {"old_logprobs": "engine"},
                   "actor": {"max_tokens_per_micro_batch": TOKEN_BUDGET}},
+    "ours-best-megatron-engine": {"rollout": {"old_logprobs": "engine", "engine": "megatron"},
+                                  "actor": {"max_tokens_per_micro_batch": TOKEN_BUDGET}},
 }
 """mcore_rl sides: a name and the config sections it changes (`--sides ours,ours-engine-logp`
-measures one change alone, before/after in one run; ours-best is every change together)."""
+measures one change alone, before/after in one run; ours-best is every change together;
+ours-best-megatron-engine generates with the trainer's own model instead of vLLM)."""
 
 REGIMES = {
     "learn": {"prompts_per_step": 16, "n": 8, "max_new_tokens": 4, "learns": True},
