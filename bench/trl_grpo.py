@@ -373,18 +373,19 @@ def print_tables(records: list, args, parameters: int) -> None:
               f"{parameters / 1e6:.1f}M-param {MODEL_NAMES[args.model]}; "
               f"mcore_rl {args.ours_ranks} rank(s) x 1 thread, TRL 1 process x {args.trl_threads} "
               f"thread(s)")
-        header = (f"{'round':<6}{'side':<10}{'step s':>8}{'p25 s':>7}{'gen tok/s':>10}"
+        rows = [x for x in records if x["regime"] == regime]
+        width = max(10, *(len(names.get(x["side"], x["side"])) + 2 for x in rows))
+        header = (f"{'round':<6}{'side':<{width}}{'step s':>8}{'p25 s':>7}{'gen tok/s':>10}"
                   f"{'tok/step':>9}{'startup s':>10}")
         if s["eval_every"]:
             header += (f"{'acc>=' + format(args.threshold, 'g') + ' @step':>15}"
                        f"{'train s':>9}{'wall s':>8}{'last acc':>9}{'eval s':>8}")
         header += f"{'run s':>7}{'CPU s':>7}{'load before/after':>19}"
         print(header)
-        rows = [x for x in records if x["regime"] == regime]
         sides = [side for side in (*TRL_SIDES, *VARIANTS) if any(x["side"] == side for x in rows)]
         for record in rows:
             summary = record["summary"]
-            line = (f"{record['round']:<6}{names.get(record['side'], record['side']):<10}"
+            line = (f"{record['round']:<6}{names.get(record['side'], record['side']):<{width}}"
                     f"{summary['step_median']:>8.3f}{summary['step_p25']:>7.3f}"
                     f"{summary['tokens_per_s']:>10.1f}"
                     f"{summary['tokens_per_step']:>9.1f}{summary['startup']:>10.1f}")
