@@ -1,7 +1,7 @@
 """One rank of a token-budget world (run by tests/test_token_budget.py): the same model and
 batch scored and trained with fixed micro-batches, with token-budget micro-batches, and with
 an `output_mask` (the output layer only from the first "response" position on), alone and with
-a token budget; the loss always over the "response" positions."""
+a token budget; the loss always SFT's, over the "response" positions (loss_mask)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,11 @@ import torch.distributed as dist
 from mcore_rl.config import BatchConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from mcore_rl.models import build_gpt_model
 from mcore_rl.runtime import initialize, seed_everything, shutdown
+from mcore_rl.sft.trainer import sft_loss
 from mcore_rl.smoke import random_batch
 from mcore_rl.training import compute_outputs, make_trainable, train_step
 
 ROWS, LENGTH, VOCAB = 8, 24, 64
-
-
-def response_loss(outputs: dict, micro_batch: dict):
-    """Negative log-likelihood of the "response" tokens (loss_mask)."""
-    mask = micro_batch["loss_mask"]
-    return -(outputs["logprobs"] * mask).sum(), int(mask.sum()), {}
 
 
 def with_responses(batch: dict) -> dict:
@@ -51,7 +46,7 @@ def compare_micro_batching(out_path: str, pipeline: int, max_tokens: int) -> Non
         trainable = make_trainable(build_gpt_model(config.model, config.parallel),
                                    config.optimizer, "fp32")
         outputs = compute_outputs(trainable.chunks, rows, 2, "lm", VOCAB, max_tokens=budget)
-        metrics = train_step(trainable, rows, 2, response_loss, "lm", VOCAB, max_tokens=budget)
+        metrics = train_step(trainable, rows, 2, sft_loss, "lm", VOCAB, max_tokens=budget)
         after = compute_outputs(trainable.chunks, rows, 2, "lm", VOCAB, max_tokens=budget)
         results[name] = {"logprobs": outputs["logprobs"], "entropy": outputs["entropy"],
                          "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
