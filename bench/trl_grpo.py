@@ -36,13 +36,14 @@ max new tokens, GRPO advantages (group mean, divided by the group std), PPO-clip
 one optimizer step per batch (no mini-batches, one epoch), token-mean loss over the batch (TRL's
 "dapo"), KL to the reference as a k3 loss term with coefficient --beta, AdamW (0.9, 0.999, 1e-8,
 no weight decay), constant LR, gradient clipping at 1.0, fp32 (bf16 on both with --precision
-bf16: each framework's own mixed precision). Different by design: TRL
-generates with transformers' generate on the training model (use_vllm=False) and, with one
-iteration per batch, takes the old log-probs as the detached current ones; mcore_rl generates
-with vLLM (weights pushed every step), recomputes the old log-probs in a separate forward pass,
-scores in a sandboxed worker process, and runs the update through Megatron-Core's schedule and
-distributed optimizer. mcore_rl runs on --ours-ranks ranks of 1 thread each (data parallel),
-TRL in one process of --trl-threads threads.
+bf16: each framework's own mixed precision), held-out evaluation as greedy generation and
+scoring only (mcore_rl's trainer.eval_kl_to_reference is off: TRL has no such metric).
+Different by design: TRL generates with transformers' generate on the training model
+(use_vllm=False) and, with one iteration per batch, takes the old log-probs as the detached
+current ones; mcore_rl generates with vLLM (weights pushed every step), recomputes the old
+log-probs in a separate forward pass, scores in a sandboxed worker process, and runs the update
+through Megatron-Core's schedule and distributed optimizer. mcore_rl runs on --ours-ranks ranks
+of 1 thread each (data parallel), TRL in one process of --trl-threads threads.
 
 The engine's stop-token bug this benchmark found (vLLM also stopped at token id 2, which
 shortened our responses and flattered our step time) is fixed in mcore_rl.rollout.vllm_engine.
@@ -246,8 +247,8 @@ def run_ours(regime: str, seed: int, out_dir: str, args, variant: str = "ours") 
                                       "max_new_tokens": s["max_new_tokens"]}},
         "reward": {"num_workers": 1, "timeout_seconds": 30},
         "trainer": {"total_steps": s["steps"], "eval_every": s["eval_every"],
-                    "ppo_epochs": 1, "mini_batches": 1, "tensorboard": False,
-                    "plots": False},
+                    "eval_kl_to_reference": False, "ppo_epochs": 1, "mini_batches": 1,
+                    "tensorboard": False, "plots": False},
         "runtime": {"output_dir": out_dir, "seed": seed, "precision": args.precision},
     }
     for section, values in VARIANTS[variant].items():

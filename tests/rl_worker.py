@@ -7,7 +7,7 @@ evaluation before the first and after the last step, and rank 0 saves the histor
 from __future__ import annotations
 
 import dataclasses
-
+import multiprocessing
 import os
 
 import torch
@@ -33,8 +33,13 @@ def train(out_path: str, overrides: list[str]) -> None:
     before = trainer.evaluate()
     history = trainer.fit()
     after = trainer.evaluate()
+    config = trainer.evaluator.config
+    trainer.evaluator.config = dataclasses.replace(
+        config, trainer=dataclasses.replace(config.trainer, eval_kl_to_reference=False))
+    after_without_kl = trainer.evaluate()
     if dist.get_rank() == 0:
-        torch.save({"before": before, "after": after, "history": history}, out_path)
+        torch.save({"before": before, "after": after, "after_without_kl": after_without_kl,
+                    "history": history}, out_path)
     trainer.close()
 
 
@@ -50,6 +55,10 @@ def train_then_die(out_path: str, overrides: list[str], kill_after_step: int) ->
     if dist.get_rank() == 0:
         torch.save({"history": history}, out_path)
     dist.barrier()
+    # torchrun and srun end a dead rank's whole process group; spawned worlds must do it
+    # themselves, or the torch_dist writer's Manager process outlives the test.
+    for child in multiprocessing.active_children():
+        os.kill(child.pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

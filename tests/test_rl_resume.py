@@ -56,17 +56,20 @@ def reference(tmp_path_factory, tokenizer_dir):
     tmp_path = tmp_path_factory.mktemp("uninterrupted")
     run_world(2, train, str(tmp_path / "reference.pt"), overrides(tokenizer_dir, tmp_path))
     result = torch.load(tmp_path / "reference.pt")
-    return result["history"], result["before"], result["after"]
+    return result["history"], result["before"], result["after"], result["after_without_kl"]
 
 
 def test_evaluation_sees_every_data_parallel_rank(reference):
     """The toy task's 64 validation prompts are split over DP2 for generation; evaluators
     (here the test's registered SampleCounter) get all of them, and the KL of the initial
-    policy to its reference copy is exactly 0."""
-    _, before, after = reference
+    policy to its reference copy is exactly 0. With trainer.eval_kl_to_reference off, the
+    (greedy) evaluation is the same without that one metric."""
+    _, before, after, after_without_kl = reference
     assert before["eval/prompts_seen"] == after["eval/prompts_seen"] == 64
     assert before["eval/responses_seen"] == 64
     assert before["eval/kl_to_reference"] == 0.0 < after["eval/kl_to_reference"]
+    after.pop("eval/kl_to_reference")
+    assert after_without_kl == after
 
 
 def test_sigkill_and_resume_is_bitwise(tmp_path, tokenizer_dir, reference):

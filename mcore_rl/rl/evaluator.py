@@ -39,7 +39,7 @@ class RLEvaluator:
         policy to it on these responses."""
         records, generation, results = self.responses(step)
         metrics = {}
-        if self.roles.reference is not None:
+        if self.roles.reference is not None and self.config.trainer.eval_kl_to_reference:
             metrics["eval/kl_to_reference"] = self._kl_to_reference(generation)
         samples = self._gather_samples(records, generation, results)
         metrics.update(run_evaluators(self.evaluators, trainer, samples))
