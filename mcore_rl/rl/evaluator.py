@@ -36,7 +36,7 @@ class RLEvaluator:
     def evaluate(self, trainer, step: int) -> dict:
         """Generate `rollout.eval_sampling` responses to the validation prompts, score them and
         run the evaluators (each given `trainer`); with a reference model also the KL of the
-        policy to it on these responses."""
+        policy to it on these responses (trainer.eval_kl_to_reference)."""
         records, generation, results = self.responses(step)
         metrics = {}
         if self.roles.reference is not None and self.config.trainer.eval_kl_to_reference:
