@@ -7,7 +7,6 @@ evaluation before the first and after the last step, and rank 0 saves the histor
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import os
 
 import torch
@@ -55,10 +54,6 @@ def train_then_die(out_path: str, overrides: list[str], kill_after_step: int) ->
     if dist.get_rank() == 0:
         torch.save({"history": history}, out_path)
     dist.barrier()
-    # torchrun and srun end a dead rank's whole process group; spawned worlds must do it
-    # themselves, or the torch_dist writer's Manager process outlives the test.
-    for child in multiprocessing.active_children():
-        os.kill(child.pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

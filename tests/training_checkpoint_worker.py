@@ -10,8 +10,6 @@ local parameters to `<out>/rank_<r>.pt`.
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 import random
 import signal
@@ -98,15 +96,6 @@ def _die_before_publishing(*args, **kwargs) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _record_helpers(out: str) -> None:
-    """Write this rank's child processes (the torch_dist writer's multiprocessing Manager,
-    started by the first save) so that the test can end them after a SIGKILL, as a job
-    scheduler ending the job's process tree would."""
-    pids = [child.pid for child in multiprocessing.active_children()]
-    with open(os.path.join(out, f"helpers_rank_{dist.get_rank()}.json"), "w") as handle:
-        json.dump(pids, handle)
-
-
 def run(tp: int, root: str, out: str, resume: bool, save_steps: tuple, kill_at: int,
         actor_from: int) -> None:
     """Train steps 1..STEPS (after the newest checkpoint when `resume`), saving after each step
@@ -148,8 +137,6 @@ def run(tp: int, root: str, out: str, resume: bool, save_steps: tuple, kill_at: 
                 training_state._publish = _die_before_publishing
             save_training_state(root, step, models, trainer_state(step), CONFIG_YAML, KEEP_LAST,
                                 rank_state=rank_state(step))
-            if kill_at:
-                _record_helpers(out)
     record["params"] = {role: {name: param.detach().clone() for name, param in
                                model.chunks[0].module.named_parameters()}
                         for role, model in models.items()}

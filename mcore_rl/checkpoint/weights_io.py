@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig, RopeScalingConfig
 from ..param_layout import sharding
+from ..runtime.process_guard import guard_helper_processes
 from .sharded_weights import sharded_state_dict, stored_vocab_rows
 
 METADATA_FILE = "mcore_rl.json"
@@ -103,6 +104,7 @@ def save_weights(path: str, local_shards: dict, model: ModelConfig, coordinates:
     state = sharded_state_dict(local_shards, model, coordinates.tp_size, coordinates.pp_size,
                                coordinates.tp_rank, coordinates.pp_rank, coordinates.dp_rank, head)
     dist_checkpointing.save(state, staging)
+    guard_helper_processes()  # the torch_dist writer's Manager, started by the first save
     _barrier()
     if _rank() == 0:
         if tokenizer_files:

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.models.heads import ScalarHead
+from mcore_rl.runtime.process_guard import guard_helper_processes
 from .optimizer import inner_optimizers
 
 if TYPE_CHECKING:
@@ -254,6 +255,7 @@ def _save_role(directory: str, model, with_optimizer: bool) -> None:
     from megatron.core import dist_checkpointing
 
     dist_checkpointing.save(_role_state_dict(model, False, with_optimizer), directory)
+    guard_helper_processes()  # the torch_dist writer's Manager, started by the first save
 
 
 @torch.no_grad()
