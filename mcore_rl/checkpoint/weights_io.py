@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig, RopeScalingConfig
 from ..param_layout import sharding
-from ..runtime.process_guard import guard_helper_processes
+from ..runtime.process_guard import helper_processes_guarded
 from .sharded_weights import sharded_state_dict, stored_vocab_rows
 
 METADATA_FILE = "mcore_rl.json"
@@ -103,8 +103,8 @@ def save_weights(path: str, local_shards: dict, model: ModelConfig, coordinates:
     _barrier()
     state = sharded_state_dict(local_shards, model, coordinates.tp_size, coordinates.pp_size,
                                coordinates.tp_rank, coordinates.pp_rank, coordinates.dp_rank, head)
-    dist_checkpointing.save(state, staging)
-    guard_helper_processes()  # the torch_dist writer's Manager, started by the first save
+    with helper_processes_guarded():  # the torch_dist writer's Manager, started by the first save
+        dist_checkpointing.save(state, staging)
     _barrier()
     if _rank() == 0:
         if tokenizer_files:

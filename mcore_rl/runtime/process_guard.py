@@ -15,12 +15,15 @@ A rank's own helpers need the same in the other direction. A rank killed without
 (SIGKILL, the OOM killer) leaves its children running: torchrun signals the process groups of
 ranks still alive, not the group of one that has died, and a multiprocessing Manager (Megatron's
 torch_dist checkpoint writer starts one per rank at the first save, about 275 MB) never checks
-for its parent. So `guard_helper_processes` hands the rank's multiprocessing children to a small
+for its parent. A Manager also dies of SIGUSR1, which SLURM's `--signal` sends to every process
+of a step to trigger the preemption save, the save that needs it. So a rank starts such helpers
+inside `helper_processes_guarded`: with its own signals blocked, and handed afterwards to a small
 guard process (no torch) that the kernel signals when the rank dies, and that then kills them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -47,9 +50,9 @@ def exit_with_launcher() -> bool:
     return True
 
 
-
 _GUARD_SOURCE = """
 import ctypes, os, signal, sys
+signal.pthread_sigmask(signal.SIG_SETMASK, [])
 owner, helpers = int(sys.argv[1]), []
 for pid in sys.argv[2:]:
     try:
@@ -57,7 +60,9 @@ for pid in sys.argv[2:]:
     except ProcessLookupError:
         pass
 
-def end(*_):
+def end_if_orphaned(*_):
+    if os.getppid() == owner:
+        return
     for pidfd in helpers:
         try:
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
@@ -65,29 +70,44 @@ def end(*_):
             pass
     os._exit(0)
 
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-signal.signal(signal.SIGTERM, end)
+for owners_signal in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(owners_signal, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, end_if_orphaned)
 ctypes.CDLL(None, use_errno=True).prctl(%d, signal.SIGTERM, 0, 0, 0)
-if os.getppid() != owner:
-    end()
+end_if_orphaned()
 while True:
     signal.pause()
 """ % PR_SET_PDEATHSIG
 """A guard: holds a pidfd of each helper (a pidfd names that process, never a later one with the
-same number) and SIGKILLs them when the kernel sends SIGTERM for its owner's death, or anyone
-else does (torchrun ending the owner's process group). Ctrl-C is the owner's to handle."""
+same number) and SIGKILLs them once its owner has died (the kernel's SIGTERM for it). Signals
+sent to the whole job (SLURM's --signal, its SIGTERM at the time limit, Ctrl-C) leave a guard
+whose owner lives as it is."""
 
 _guards: list[subprocess.Popen] = []
 _guarded: set[int] = set()
 
 
-def guard_helper_processes() -> None:
-    """Have this process's multiprocessing children (those not handed over yet) SIGKILLed when
-    this process dies, however it dies: one guard process per call that finds new children.
-    Linux 5.3+ (pidfds); elsewhere nothing happens."""
-    if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
-        return
-    helpers = sorted({child.pid for child in multiprocessing.active_children()} - _guarded)
+@contextlib.contextmanager
+def helper_processes_guarded():
+    """For a block that may start helper processes (Megatron's checkpoint writer starts its
+    Manager in the first save). They start with the signals this process handles itself
+    blocked, so that a signal sent to every process of a job step (SLURM's `--signal=USR1`, the
+    preemption save's trigger) does not kill them in the middle of that save; this process
+    still gets those signals. After the block they are SIGKILLed whenever this process dies,
+    however it dies (Linux 5.3+, which has pidfds; elsewhere only the blocking applies)."""
+    handled = [number for number in signal.valid_signals()
+               if callable(signal.getsignal(number))]
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, handled)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    if sys.platform.startswith("linux") and hasattr(os, "pidfd_open"):
+        _guard(sorted({child.pid for child in multiprocessing.active_children()} - _guarded))
+
+
+def _guard(helpers: list[int]) -> None:
+    """A guard process for these helpers (none when there are none)."""
     if helpers:
         _guards.append(subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD_SOURCE,
                                          str(os.getpid()), *map(str, helpers)]))

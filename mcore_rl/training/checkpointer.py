@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.models.heads import ScalarHead
-from mcore_rl.runtime.process_guard import guard_helper_processes
+from mcore_rl.runtime.process_guard import helper_processes_guarded
 from .optimizer import inner_optimizers
 
 if TYPE_CHECKING:
@@ -254,8 +254,8 @@ def _role_state_dict(model, is_loading: bool, with_optimizer: bool) -> dict:
 def _save_role(directory: str, model, with_optimizer: bool) -> None:
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(_role_state_dict(model, False, with_optimizer), directory)
-    guard_helper_processes()  # the torch_dist writer's Manager, started by the first save
+    with helper_processes_guarded():  # the torch_dist writer's Manager, started by the first save
+        dist_checkpointing.save(_role_state_dict(model, False, with_optimizer), directory)
 
 
 @torch.no_grad()
