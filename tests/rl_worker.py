@@ -60,11 +60,13 @@ def train_then_die(out_path: str, overrides: list[str], kill_after_step: int) ->
 def train_until_signal(out_path: str, overrides: list[str], signal_after_step: int,
                        signalled_rank: int) -> None:
     """Like a SLURM preemption notice: after step `signal_after_step`, SIGUSR1 reaches one rank
-    and every process it started (reward workers, the engine's processes); fit() must save and
-    stop on every rank, and the child processes must survive the signal."""
+    and every process it started (reward workers, the engine's processes, the checkpoint
+    writer's Manager that a save before the first step starts); fit() must save and stop on
+    every rank, and the child processes must survive the signal."""
     import signal
 
     trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    trainer.save()
     children = []
     train_step = trainer.train_step
 

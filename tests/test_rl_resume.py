@@ -97,21 +97,23 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, tokenizer_dir, reference):
 
 
 def test_preemption_signal_saves_and_stops_every_rank(tmp_path, tokenizer_dir, reference):
-    """SIGUSR1 on one rank (and its child processes) after step 1: both ranks stop after that
+    """SIGUSR1 on rank 0 (and its child processes) after step 1: both ranks stop after that
     step with a checkpoint (save_every alone would save none), the CLI's requeue status is
-    set, and the reward workers and engine processes survive the signal. The run also parks
-    actor and critic in host memory while generating, which must not change a single metric."""
+    set, and the reward workers, engine processes and the checkpoint writer's Manager (started
+    by a save before step 1 on the ranks that write files, rank 0 here) survive the
+    signal. The run also parks actor and critic in host memory while generating, which must
+    not change a single metric."""
     from rl_worker import train_until_signal
 
     reference = reference[0]
     run_dir = tmp_path / "preempted"
     run_world(2, train_until_signal, str(tmp_path / "preempted.pt"),
               overrides(tokenizer_dir, run_dir) + ["trainer.save_every=0", "actor.offload=true",
-                                                    "critic.offload=true"], 1, 1)
+                                                    "critic.offload=true"], 1, 0)
     ranks = torch.load(tmp_path / "preempted.pt")
     assert [rank["preempted"] for rank in ranks] == [True, True]
     assert [len(rank["history"]) for rank in ranks] == [1, 1]
     assert comparable(ranks[0]["history"][0]) == comparable(reference[0])
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_00000001"]
-    assert ranks[1]["children"] > 0 and ranks[1]["children_alive"]
+    assert ranks[0]["children"] > 0 and ranks[0]["children_alive"]
 
