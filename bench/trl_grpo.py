@@ -370,7 +370,7 @@ def print_tables(records: list, args, parameters: int) -> None:
         s = settings(regime, args)
         print(f"\n== {regime}: {s['prompts_per_step']} prompts x {s['n']} samples, <= "
               f"{s['max_new_tokens']} new tokens, lr {s['lr']:g}, KL loss {args.beta:g}, "
-              f"{s['steps']} steps, {getattr(args, 'precision', 'fp32')}; "
+              f"{s['steps']} steps, {args.precision}; "
               f"{parameters / 1e6:.1f}M-param {MODEL_NAMES[args.model]}; "
               f"mcore_rl {args.ours_ranks} rank(s) x 1 thread, TRL 1 process x {args.trl_threads} "
               f"thread(s)")
@@ -489,6 +489,7 @@ def main() -> None:
         with open(args.report) as handle:
             saved = json.load(handle)
         saved["args"].setdefault("model", "toy")  # results from before --model
+        saved["args"].setdefault("precision", "fp32")  # results from before --precision
         for record in saved["records"]:
             record["summary"] = summarize(record["result"], saved["args"]["threshold"])
         print_tables(saved["records"], argparse.Namespace(**saved["args"]), saved["parameters"])
