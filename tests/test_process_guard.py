@@ -1,48 +1,62 @@
-"""Helper processes of a rank (a multiprocessing Manager: what Megatron's torch_dist checkpoint
-writer starts in every rank) die of a SIGUSR1 meant for the rank (SLURM's --signal reaches every
-process) and outlive the rank when it is SIGKILLed, unless they were started inside
-runtime.process_guard.helper_processes_guarded."""
+"""runtime.process_guard: what a rank starts dies with it, and survives the rank's signals.
+
+- A SIGKILLed rank (no cleanup of its own) leaves its child processes (a forked one, as
+  Megatron's checkpoint writer forks, with a grandchild; a spawned multiprocessing Manager), a
+  shared-memory segment it mapped and its temporary files, unless it called `guard_this_rank`.
+- A Manager dies of a SIGUSR1 meant for the rank (SLURM's --signal reaches every process)
+  unless started inside `helper_processes_guarded`.
+- `reclaim_stale_files` removes a vLLM segment nobody holds and the folder of a dead rank, and
+  leaves a segment a live process maps.
+"""
 
 import contextlib
 import json
+import mmap
 import multiprocessing
 import os
 import signal
+import tempfile
 import time
+from multiprocessing import shared_memory
 
 import psutil
 import pytest
 
-from mcore_rl.runtime.process_guard import helper_processes_guarded
+from mcore_rl.runtime import process_guard
+from mcore_rl.runtime.process_guard import guard_this_rank, helper_processes_guarded
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs Linux pidfds")
 
 
-def _new_child(known: set) -> int:
-    (pid,) = {child.pid for child in multiprocessing.active_children()} - known
-    known.add(pid)
-    return pid
+def _use_temp_dir(temp_dir: str) -> None:
+    """This process's and its children's temporary files go to the test's folder."""
+    os.environ["TMPDIR"] = tempfile.tempdir = temp_dir
 
 
-def start_managers_and_die(guarded: bool, out_file: str) -> None:
-    """Handle SIGUSR1 (as the trainer does its save signal), start two Managers, send the first
-    SIGUSR1 and try to use it, then die of SIGKILL."""
-    signal.signal(signal.SIGUSR1, lambda *_: None)
-    context, pids = multiprocessing.get_context("spawn"), set()
-    with helper_processes_guarded() if guarded else contextlib.nullcontext():
-        signalled = context.Manager()
-        signalled_pid = _new_child(pids)
-        other = context.Manager()  # noqa: F841 (alive until the SIGKILL)
-        _new_child(pids)
-    os.kill(signalled_pid, signal.SIGUSR1)
-    time.sleep(0.5)
-    try:
-        signalled.Queue().put(1)
-        survived_signal = True
-    except ConnectionError:
-        survived_signal = False
+def _fork_with_grandchild() -> None:
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
+    time.sleep(600)
+
+
+def start_helpers_and_die(guarded: bool, out_file: str, temp_dir: str) -> None:
+    """Start what a rank starts, map a segment, write a temporary file, then die of SIGKILL."""
+    _use_temp_dir(temp_dir)  # where the guard makes the rank's folder, or the rank itself
+    if guarded:
+        guard_this_rank()
+    manager = multiprocessing.get_context("spawn").Manager()  # noqa: F841 (alive until the kill)
+    forked = multiprocessing.get_context("fork").Process(target=_fork_with_grandchild,
+                                                         daemon=True)
+    forked.start()
+    segment = shared_memory.SharedMemory(create=True, size=4096)
+    from multiprocessing import resource_tracker
+    resource_tracker.unregister(segment._name, "shared_memory")  # as a C++ library's would be
+    scratch = tempfile.mkdtemp()
+    time.sleep(1.5)  # the guard notes its rank's descendants a few times a second
+    pids = [child.pid for child in psutil.Process().children(recursive=True)]
     with open(out_file, "w") as handle:
-        json.dump({"survived_signal": survived_signal, "pids": sorted(pids)}, handle)
+        json.dump({"pids": pids, "segment": segment.name, "scratch": scratch}, handle)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -53,22 +67,83 @@ def running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("guarded", [False, True])
-def test_helpers_survive_the_ranks_signals_and_die_with_the_rank_only_when_guarded(tmp_path,
-                                                                                   guarded):
-    out_file = str(tmp_path / "managers.json")
-    owner = multiprocessing.get_context("spawn").Process(target=start_managers_and_die,
-                                                         args=(guarded, out_file))
+def run_owner(target, guarded: bool, tmp_path) -> tuple[int | None, object]:
+    """Run `target(guarded, out_file, temp_dir)` in a spawned process; (its exit code, what it
+    wrote to out_file as JSON)."""
+    out_file = str(tmp_path / "out.json")
+    owner = multiprocessing.get_context("spawn").Process(target=target,
+                                                         args=(guarded, out_file,
+                                                               str(tmp_path)))
     owner.start()
-    owner.join(timeout=120)
-    assert owner.exitcode == -signal.SIGKILL
-    with open(out_file) as handle:
-        result = json.load(handle)
-    deadline = time.monotonic() + 5
-    while any(map(running, result["pids"])) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120  # not join(): its forked children hold join's pipe open
+    while owner.exitcode is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    survivors = [pid for pid in result["pids"] if running(pid)]
+    with open(out_file) as handle:
+        return owner.exitcode, json.load(handle)
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_killed_rank_leaves_nothing_only_when_guarded(tmp_path, guarded):
+    exit_code, left = run_owner(start_helpers_and_die, guarded, tmp_path)
+    assert exit_code == -signal.SIGKILL
+    segment_path = "/dev/shm/" + left["segment"].lstrip("/")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (any(map(running, left["pids"])) or
+                                           os.path.exists(segment_path)):
+        time.sleep(0.1)
+    survivors = [pid for pid in left["pids"] if running(pid)]
+    remains = [path for path in (segment_path, left["scratch"]) if os.path.exists(path)]
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
-    assert result["survived_signal"] == guarded
-    assert len(survivors) == (0 if guarded else 1)  # unguarded: the one not signalled
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(segment_path)
+    names = [psutil.Process(pid).name() for pid in survivors if running(pid)]
+    if guarded:
+        assert (survivors, remains) == ([], []), names
+    else:  # the Manager, the forked child and its child; the segment; the folder
+        assert len(survivors) >= 3 and len(remains) == 2
+
+
+def start_managers_after_a_signal(guarded: bool, out_file: str, temp_dir: str) -> None:
+    _use_temp_dir(temp_dir)
+    signal.signal(signal.SIGUSR1, lambda *_: None)  # as the trainer handles its save signal
+    with helper_processes_guarded() if guarded else contextlib.nullcontext():
+        manager = multiprocessing.get_context("spawn").Manager()
+    os.kill(manager._process.pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    try:
+        manager.Queue().put(1)
+        survived = True
+    except ConnectionError:
+        survived = False
+    with open(out_file, "w") as handle:
+        json.dump(survived, handle)
+    manager._process.kill()
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_helpers_survive_the_ranks_signal_only_when_started_guarded(tmp_path, guarded):
+    assert run_owner(start_managers_after_a_signal, guarded, tmp_path) == (0, guarded)
+
+
+def test_reclaim_removes_what_nobody_holds_and_keeps_what_a_live_process_maps(tmp_path,
+                                                                               monkeypatch):
+    stale, live = "/dev/shm/-tp:0-[0-1]-cpushm_0", "/dev/shm/test-held-tp:0-[0-1]-cpushm_1"
+    for path in (stale, live):
+        with open(path, "wb") as handle:
+            handle.write(b"\0" * 4096)
+    dead = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    dead.start()
+    dead.join()
+    monkeypatch.setattr(process_guard, "_system_temp_dir", str(tmp_path))
+    dead_rank_dir = tmp_path / f"{process_guard.TEMP_PREFIX}{dead.pid}-1-abc"
+    live_rank_dir = tmp_path / (f"{process_guard.TEMP_PREFIX}{os.getpid()}-"
+                                f"{process_guard.rank_guard.start_time(os.getpid())}-abc")
+    dead_rank_dir.mkdir()
+    live_rank_dir.mkdir()
+    with open(live, "r+b") as handle, mmap.mmap(handle.fileno(), 4096):
+        removed = process_guard.reclaim_stale_files()
+        assert os.path.exists(live)
+    os.unlink(live)
+    assert sorted(removed) == sorted([stale, str(dead_rank_dir)])
+    assert not os.path.exists(stale) and not dead_rank_dir.exists() and live_rank_dir.exists()

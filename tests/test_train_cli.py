@@ -118,38 +118,98 @@ def test_rerun_over_an_earlier_run_without_checkpoint_is_refused(tmp_path):
     assert not (tmp_path / "config.yaml").exists()
 
 
-def test_killing_torchrun_ends_every_rank_and_their_children(tmp_path):
-    """torchrun gives each rank a session of its own: `kill -9` of torchrun's process group must
-    still end the ranks (runtime.process_guard) and their reward workers (rewards.sandbox)."""
-    import signal
+def start_two_rank_job(tmp_path, port: int, *overrides, **env):
+    """A toy job on 2 ranks through torchrun.sh in a session of its own, logging to job.log,
+    running until step 2 has been logged (it runs on until stopped)."""
     import time
 
-    import psutil
-
-    env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="2", MASTER_PORT="29566")
+    env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="2", MASTER_PORT=str(port),
+               VLLM_CPU_KVCACHE_SPACE="1", **env)
     log = open(tmp_path / "job.log", "w")
     launcher = subprocess.Popen(
         [os.path.join(REPO, "scripts", "torchrun.sh"), "train", "--config",
-         "configs/grpo_toy.yaml", "rollout.engine=megatron", "trainer.total_steps=100000",
-         "trainer.save_every=0", "trainer.eval_every=0", f"runtime.output_dir={tmp_path}"],
+         "configs/grpo_toy.yaml", "trainer.total_steps=100000", "trainer.save_every=0",
+         "trainer.eval_every=0", f"runtime.output_dir={tmp_path}", *overrides],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while "step 2:" not in (tmp_path / "job.log").read_text():
-            assert launcher.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "job.log").read_text()[-3000:]
-            time.sleep(0.5)
-        job = psutil.Process(launcher.pid).children(recursive=True)
-        ranks = [p for p in job if "mcore_rl" in " ".join(p.cmdline())]
-        assert len(ranks) == 2 and len(job) > len(ranks)  # ranks and their workers
-    finally:
+    deadline = time.monotonic() + 300
+    while "step 2:" not in (tmp_path / "job.log").read_text():
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            end_job(launcher)
+            pytest.fail((tmp_path / "job.log").read_text()[-3000:])
+        time.sleep(0.5)
+    return launcher
+
+
+def end_job(launcher) -> None:
+    import signal
+
+    if launcher.poll() is None:
         os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait()
+    launcher.wait()
+
+
+def test_killing_torchrun_ends_every_rank_and_their_children(tmp_path):
+    """torchrun gives each rank a session of its own: `kill -9` of torchrun's process group must
+    still end the ranks (runtime.process_guard) and their reward workers (rewards.sandbox)."""
+    import psutil
+
+    launcher = start_two_rank_job(tmp_path, 29566, "rollout.engine=megatron")
+    try:
+        job = psutil.Process(launcher.pid).children(recursive=True)
+        ranks = [p for p in job if " -m mcore_rl " in " ".join(p.cmdline())]
+        assert len(ranks) == 2 and len(job) > len(ranks)  # ranks, their workers and guards
+    finally:
+        end_job(launcher)
     _, alive = psutil.wait_procs(job, timeout=30)
     survivors = [" ".join(p.cmdline())[:120] for p in alive]
     for process in alive:  # a failing run must not leave them training
         process.kill()
     assert survivors == []
+
+
+def test_sigterm_to_torchrun_saves_when_asked_and_leaves_nothing(tmp_path):
+    """What SLURM sends at the time limit and on scancel, and what Ctrl-C becomes: torchrun
+    passes SIGTERM on to the ranks, which with trainer.save_signal=SIGTERM finish the step, save
+    and stop within torchrun's grace period (30 s); no process of the job, shared-memory segment
+    or rank temporary folder is left."""
+    import glob
+    import signal
+    import time
+    import uuid
+
+    marker = uuid.uuid4().hex
+    named_before = set(glob.glob("/dev/shm/*")) | set(glob.glob("/tmp/mcore_rl-rank-*"))
+    launcher = start_two_rank_job(tmp_path, 29568, "rollout.rollout_tp=2",
+                                  "trainer.save_signal=SIGTERM", MCORE_RL_TEST_JOB=marker)
+    try:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+    finally:
+        end_job(launcher)
+    text = (tmp_path / "job.log").read_text()
+    saved = re.search(r"step (\d+): SIGTERM received; saved", text)
+    assert saved, text[-3000:]
+    assert os.listdir(tmp_path / "checkpoints") == [f"step_{int(saved.group(1)):08d}"]
+    deadline, left = time.monotonic() + 15, None
+    while left != ([], set()) and time.monotonic() < deadline:
+        time.sleep(0.25)
+        left = (_processes_with(f"MCORE_RL_TEST_JOB={marker}"),
+                (set(glob.glob("/dev/shm/*")) | set(glob.glob("/tmp/mcore_rl-rank-*")))
+                - named_before)
+    assert left == ([], set())
+
+
+def _processes_with(variable: str) -> list[str]:
+    """Live processes whose environment holds `variable` (NAME=VALUE): a job's descendants."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                if variable.encode() in handle.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
 
 
 def test_a_bad_key_is_reported_once_before_any_rank_starts():

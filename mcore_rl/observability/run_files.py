@@ -53,7 +53,7 @@ class JsonlWriter:
         self.path = Path(path)
         """The file appended to."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _drop_unterminated_tail(self.path)
+        drop_unterminated_tail(self.path)
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -77,7 +77,7 @@ class JsonlWriter:
         self.close()
 
 
-def _drop_unterminated_tail(path: Path, block: int = 1 << 16) -> None:
+def drop_unterminated_tail(path: Path, block: int = 1 << 16) -> None:
     """Truncate a final line without a newline (a write cut short by a kill), so the next line
     does not glue onto it. Reads only the file's tail."""
     if not path.exists():

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.runtime.devices import collective_device
+from mcore_rl.runtime.faults import kill_point
 
 
 class PhaseTimer:
@@ -32,6 +33,7 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
+        kill_point(phase)
         start, wall_start = time.perf_counter(), time.time()
         try:
             yield

@@ -14,6 +14,7 @@ from mcore_rl.algorithms.kl import kl_estimate
 from mcore_rl.config import JobConfig
 from mcore_rl.evaluation import EvalSamples, Evaluator, default_evaluators, run_evaluators
 from mcore_rl.observability.step_metrics import SumsAndCounts
+from mcore_rl.runtime.faults import kill_point
 from mcore_rl.training.batches import pad_rows_to_multiple
 
 from .data import TrainingData
@@ -37,6 +38,7 @@ class RLEvaluator:
         """Generate `rollout.eval_sampling` responses to the validation prompts, score them and
         run the evaluators (each given `trainer`); with a reference model also the KL of the
         policy to it on these responses (trainer.eval_kl_to_reference)."""
+        kill_point("evaluate")
         records, generation, results = self.responses(step)
         metrics = {}
         if self.roles.reference is not None and self.config.trainer.eval_kl_to_reference:

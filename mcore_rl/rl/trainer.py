@@ -31,6 +31,7 @@ from mcore_rl.observability import METRICS_FILE, refuse_earlier_run
 from mcore_rl.observability.step_metrics import (MetricsLogger, PhaseTimer, SumsAndCounts,
                                                  peak_memory_metrics)
 from mcore_rl.observability.timeline import Timeline
+from mcore_rl.observability.trained_prompts import TrainedPromptsLog
 from mcore_rl.roles import Scorer
 from mcore_rl.runtime import initialize, print0, shutdown
 from mcore_rl.runtime.launch_env import read_launch_env
@@ -70,6 +71,9 @@ class Experience:
     started: float
     """perf_counter() when the step began."""
 
+    prompts: list
+    """The prompt records this rank's part of the batch was generated from."""
+
 
 class Trainer:
     """PPO/GRPO-family training of a Megatron actor (and critic) with a rollout engine."""
@@ -92,7 +96,8 @@ class Trainer:
         """Whether fit() stopped early on trainer.save_signal (after saving)."""
         self.runtime = initialize(config, launch)
         self.checkpoint_dir = os.path.join(config.runtime.output_dir, "checkpoints")
-        resumable = config.trainer.resume and checkpointer.latest_checkpoint(self.checkpoint_dir)
+        resumable = config.trainer.resume and (
+            checkpointer.latest_checkpoint(self.checkpoint_dir) or _same_run(config))
         refuse_earlier_run(config.runtime.output_dir, () if resumable else (METRICS_FILE,),
                            "holds an earlier run", " and no checkpoint to resume from (or "
                            "trainer.resume=false)")
@@ -119,6 +124,7 @@ class Trainer:
         self.bad_steps = 0
         self.logger = MetricsLogger.for_job(config)
         self.timeline = Timeline(config.runtime.output_dir)
+        self.trained_prompts = TrainedPromptsLog(config.runtime.output_dir, self.dp_group)
         if dist.get_rank() == 0:
             _write_atomically(os.path.join(config.runtime.output_dir, "config.yaml"),
                               to_yaml(config))
@@ -151,7 +157,7 @@ class Trainer:
         if self.config.trainer.balance_data_parallel:
             with timer("balance"):
                 batch = self._balanced(batch, stats)
-        return Experience(batch, stats, timer, started)
+        return Experience(batch, stats, timer, started, rollout.records)
 
     def update_policy(self, experience: Experience) -> dict:
         """PPO epochs over mini-batches for the critic, then the actor; returns the step's
@@ -184,12 +190,18 @@ class Trainer:
         return metrics
 
     def train_step(self) -> dict:
-        """collect_data + update_policy on the sampler's next batch, then log and save."""
+        """collect_data + update_policy on the sampler's next batch, then log, evaluate when
+        due and save when due. The evaluation comes before the save, so that a checkpoint
+        holds a step whose evaluation was logged: a run killed while evaluating redoes the
+        step and its evaluation."""
         experience = self.collect_data()
         metrics = self.update_policy(experience)
         self._track_bad_steps(metrics)
         self.logger.log(self.step, metrics)
         self.timeline.record(self.step, experience.timer.intervals)
+        self.trained_prompts.record(self.step, experience.prompts)
+        if self._evaluation_due():
+            self.logger.log(self.step, self.evaluate(), "eval")
         if self._save_due():
             self.save()
         export_every = self.config.trainer.export_hf_every
@@ -203,8 +215,8 @@ class Trainer:
         first step, every trainer.eval_every steps and after the last; returns the metrics of
         the steps run here. Rank 0 then draws the run's plots (trainer.plots)."""
         history = []
-        every, total_steps = self.config.trainer.eval_every, self.config.trainer.total_steps
-        if every and self.step == 0:
+        total_steps = self.config.trainer.total_steps
+        if self.config.trainer.eval_every and self.step == 0:
             self.logger.log(0, self.evaluate(), "eval")
         with progress(total=total_steps, initial=self.step, desc="train", unit="step") as bar:
             while self.step < total_steps:
@@ -213,8 +225,6 @@ class Trainer:
                 if self.preemption.raised_anywhere():
                     self._save_for_requeue()
                     break
-                if every and (self.step % every == 0 or self.step == total_steps):
-                    self.logger.log(self.step, self.evaluate(), "eval")
         if self.config.trainer.plots and dist.get_rank() == 0:
             from mcore_rl.observability import plot_run
             paths = plot_run(self.config.runtime.output_dir)
@@ -261,6 +271,12 @@ class Trainer:
                 f"{self.bad_steps} consecutive steps with non-finite losses or gradients "
                 f"(trainer.max_bad_steps={self.config.trainer.max_bad_steps}); the newest "
                 f"checkpoint in {self.checkpoint_dir} is from before them")
+
+    def _evaluation_due(self) -> bool:
+        """Whether train_step evaluates after the current step."""
+        every = self.config.trainer.eval_every
+        return bool(every) and (self.step % every == 0
+                                or self.step == self.config.trainer.total_steps)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _save_due(self) -> bool:
@@ -313,6 +329,7 @@ class Trainer:
         self.scheduler.close(PREEMPTED_EXIT_CODE if self.preempted else 0)
         self.logger.close()
         self.timeline.close()
+        self.trained_prompts.close()
         shutdown()
 
 
@@ -329,6 +346,17 @@ def _colocated_rollouts(config: JobConfig, data, reward_fn, runtime, model_paral
                                 PromptConfig(max_prompt_tokens=config.data.max_prompt_tokens))
     scorer = Scorer(rule_reward, roles.reward_model, data.pad_id, model_parallel)
     return roles, RolloutScheduler(config, data, generator, scorer, dp_group)
+
+
+def _same_run(config: JobConfig) -> bool:
+    """Whether output_dir holds this very run, stopped before its first checkpoint (a killed or
+    requeued job): it then starts again from step 0, appending to its own logs, whose readers
+    keep the last line written for each step."""
+    path = os.path.join(config.runtime.output_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as handle:
+        return handle.read() == to_yaml(config)
 
 
 def _write_atomically(path: str, text: str) -> None:

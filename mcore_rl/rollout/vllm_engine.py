@@ -36,6 +36,7 @@ import json
 import os
 import tempfile
 import time
+import uuid
 from datetime import timedelta
 from typing import Iterable, Sequence
 
@@ -47,6 +48,7 @@ from mcore_rl.config.rl import rollout_tp_errors
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.conversion.architectures import Architecture
 from mcore_rl.resharding.delivery import hf_named
+from mcore_rl.runtime import cpu_compat
 from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.progress import progress, progress_enabled
 
@@ -105,6 +107,8 @@ class VllmEngine(RolloutEngine):
         raise_on_any_rank(problems, EngineError, "vLLM engine not started: ")
         self._group = _consecutive_group(rollout_tp, timeout_minutes)
         self._shard_key = default_shard_key()
+        if not torch.cuda.is_available():
+            cpu_compat.name_vllm_cpu_segments_per_job(_job_name())
         self.llm, problems = _start_llm(
             model=model_dir, tokenizer=tokenizer_dir or model_dir,
             skip_tokenizer_init=tokenizer_dir is None, dtype=VLLM_DTYPES[dtype],
@@ -398,6 +402,13 @@ def _memory_problems(gpu_memory_utilization: float) -> list[str]:
             f"{wanted / 2 ** 30:.1f} GiB of the GPU's {total / 2 ** 30:.1f} GiB, but only "
             f"{free / 2 ** 30:.1f} GiB is free (the engine starts before the training roles: "
             f"another process holds the rest, or lower the setting)"]
+
+
+def _job_name() -> str:
+    """A name the ranks of this world share and no other job on the machine has (collective)."""
+    name = [f"mcore_rl-{uuid.uuid4().hex[:12]}"]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
 
 
 def _start_llm(**engine_args):

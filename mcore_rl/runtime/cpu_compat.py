@@ -17,6 +17,7 @@ Rules kept here:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -33,6 +34,7 @@ PATCHES = {
     "megatron tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state": "tracker fork",
     "device='cuda' arguments and Tensor.cuda()": "causal masks, loss counters (TorchFunctionMode)",
     "Tensor.type() -> 'torch.cuda.*Tensor'": "optimizer dtype checks (TorchFunctionMode)",
+    "vllm _CPUSHMDistributed.make_group_name": "per-job /dev/shm names (vllm_engine, CPU only)",
 }
 
 _applied = False
@@ -98,6 +100,27 @@ class _CpuEvent:
 
     def elapsed_time(self, end: "_CpuEvent") -> float:
         return (end._time - self._time) * 1000.0
+
+
+def name_vllm_cpu_segments_per_job(job: str) -> None:
+    """vLLM's CPU tensor-parallel communicator names its /dev/shm segments after the init
+    method's tail, which is "//" for every job started with env:// (external_launcher), so two
+    jobs on one machine - or a job and the segments a killed one left - collide
+    (`create shm in SHMManager failed. errno: 17`). Give them the job's name instead. `job`:
+    identical on every rank of the job, unique among the jobs of one machine, no '/'."""
+    if torch.cuda.is_available():
+        raise RuntimeError("name_vllm_cpu_segments_per_job is for vLLM's CPU backend only")
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    original = getattr(shm.make_group_name, "_vllm_original", shm.make_group_name)
+
+    def make_group_name(communicator):
+        os.environ["VLLM_DIST_IDENT"] = job
+        return original(communicator)
+
+    make_group_name._vllm_original = original
+    shm.make_group_name = staticmethod(make_group_name)
 
 
 def _patch_torch_cuda() -> None:

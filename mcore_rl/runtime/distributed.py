@@ -21,6 +21,7 @@ from ..config import JobConfig, validate
 from .devices import cuda_device_index
 from .launch_env import LaunchEnv, read_launch_env
 from .log import forget_job_rank, quiet_known_warnings, send_library_logs_to_file
+from .process_guard import guard_this_rank, reclaim_stale_files
 from .worlds import SplitWorld, start_split_worlds
 
 
@@ -123,6 +124,7 @@ def _prepare_device(launch: LaunchEnv) -> torch.device:
     """This rank's device, selected; the CPU compatibility layer applied when there is no GPU."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized; call shutdown() first")
+    _guard_rank(launch)
     if not torch.cuda.is_available():
         from . import cpu_compat
         cpu_compat.apply()
@@ -130,6 +132,17 @@ def _prepare_device(launch: LaunchEnv) -> torch.device:
     device = torch.device("cuda", cuda_device_index(launch.local_rank, torch.cuda.device_count()))
     torch.cuda.set_device(device)
     return device
+
+
+def _guard_rank(launch: LaunchEnv) -> None:
+    """Nothing this rank starts outlives it (runtime.process_guard); the first rank of each
+    machine first removes what killed runs left there."""
+    if launch.local_rank == 0:
+        removed = reclaim_stale_files()
+        if removed:
+            print(f"removed {len(removed)} file(s) left by killed runs that no live process "
+                  f"uses: {', '.join(removed)}", flush=True)
+    guard_this_rank()
 
 
 def _export_launch_variables(launch: LaunchEnv) -> None:

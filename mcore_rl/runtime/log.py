@@ -85,11 +85,16 @@ def forget_job_rank() -> None:
     _job_rank = None
 
 
+def job_rank() -> int:
+    """This process's rank in the whole job (0 outside a distributed job)."""
+    if _job_rank is not None:
+        return _job_rank
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def is_rank0() -> bool:
     """True on the job's rank 0 or outside a distributed job."""
-    if _job_rank is not None:
-        return _job_rank == 0
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return job_rank() == 0
 
 
 def print0(*args, **kwargs) -> None:

@@ -1,39 +1,55 @@
-"""No process outlives its job.
+"""No process, shared-memory segment or temporary file outlives its job.
 
 torchrun starts every rank in a session of its own, so killing torchrun - even its whole process
 group with `kill -9 -PGID`, or a test's timeout killing it - leaves the ranks running (they keep
-training, with nobody to supervise or restart them), and with them their reward workers and
-multiprocessing's resource tracker. SLURM kills a job's whole cgroup; a workstation or a CI
-machine has nothing that does. So a rank started by torchrun asks the kernel to SIGKILL it
-when its parent, torchrun's agent, dies (Linux's PR_SET_PDEATHSIG). Its children follow on
-their own (reward workers exit once their parent is gone, rewards.sandbox; the resource tracker
-when its last user has), except a multiprocessing Manager (below).
+training, with nobody to supervise or restart them). SLURM kills a job's whole cgroup; a
+workstation or a CI machine has nothing that does. So a rank started by torchrun asks the kernel
+to SIGKILL it when its parent, torchrun's agent, dies (Linux's PR_SET_PDEATHSIG,
+`exit_with_launcher`). Outside torchrun nothing changes there: a job started by a shell must
+survive that shell (nohup).
 
-Outside torchrun nothing changes: a job started by a shell must survive that shell (nohup).
+A rank killed without cleanup (SIGKILL, the OOM killer, torchrun's death) leaves what it started:
+child processes (Megatron's checkpoint writers and their Manager, reward workers, library
+helpers), shared-memory segments (vLLM's CPU communicator names them the same in every job, so
+the next job cannot start) and temporary files. `guard_this_rank` gives every rank a private
+temporary folder (its TMPDIR) and a guard process (`rank_guard.py`) that removes all of it once
+the rank is gone, however it went. `reclaim_stale_files` removes what a run from before these
+guards, or one whose guard was killed too, left behind, and says so.
 
-A rank's own helpers need the same in the other direction. A rank killed without cleanup
-(SIGKILL, the OOM killer) leaves its children running: torchrun signals the process groups of
-ranks still alive, not the group of one that has died, and a multiprocessing Manager (Megatron's
-torch_dist checkpoint writer starts one per rank at the first save, about 275 MB) never checks
-for its parent. A Manager also dies of SIGUSR1, which SLURM's `--signal` sends to every process
-of a step to trigger the preemption save, the save that needs it. So a rank starts such helpers
-inside `helper_processes_guarded`: with its own signals blocked, and handed afterwards to a small
-guard process (no torch) that the kernel signals when the rank dies, and that then kills them.
+A rank's helpers must also survive the signals meant for the rank: a multiprocessing Manager dies
+of SIGUSR1, which SLURM's `--signal` sends to every process of a step to trigger the preemption
+save, the save that needs it. So a rank starts such helpers inside `helper_processes_guarded`,
+with the signals it handles itself blocked (the mask is inherited).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+
+from . import rank_guard
 
 PR_SET_PDEATHSIG = 1
 LAUNCHED_BY_TORCHRUN = "TORCHELASTIC_RUN_ID"
 """An environment variable torchrun sets for every rank it starts."""
+
+TEMP_PREFIX = "mcore_rl-rank-"
+"""Private temporary folders: <system temp dir>/mcore_rl-rank-<pid>-<start time>-<random>."""
+
+_TEMP_NAME = re.compile(rf"^{TEMP_PREFIX}(\d+)-(\d+)-")
+_STALE_SEGMENT = re.compile(r"cpushm_\d+$")
+"""vLLM's CPU communicator segments (`<job>-tp:0-[0-1]-cpushm_<rank>`)."""
+
+_guard: subprocess.Popen | None = None
+_system_temp_dir = tempfile.gettempdir()
+"""Where private folders are made (read before this process's TMPDIR points into one)."""
 
 
 def exit_with_launcher() -> bool:
@@ -50,41 +66,51 @@ def exit_with_launcher() -> bool:
     return True
 
 
-_GUARD_SOURCE = """
-import ctypes, os, signal, sys
-signal.pthread_sigmask(signal.SIG_SETMASK, [])
-owner, helpers = int(sys.argv[1]), []
-for pid in sys.argv[2:]:
+def guard_this_rank() -> str | None:
+    """Give this process a private temporary folder (TMPDIR, for it and every process it
+    starts) and a guard that, once this process is gone, kills what it started, unlinks the
+    shared memory they used and removes the folder. Idempotent; Linux only (elsewhere nothing
+    happens and None is returned). Call from the main thread, before starting helpers or
+    engines. Returns the temporary folder."""
+    global _guard
+    if _guard is not None:
+        return os.environ["TMPDIR"]
+    if not (sys.platform.startswith("linux") and hasattr(os, "pidfd_open")):
+        return None
+    pid = os.getpid()
+    temp_dir = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{pid}-{rank_guard.start_time(pid)}-",
+                                dir=_system_temp_dir)
+    whole_session = LAUNCHED_BY_TORCHRUN in os.environ and os.getsid(0) == pid
+    _guard = subprocess.Popen([sys.executable, "-I", "-S", rank_guard.__file__, str(pid),
+                               temp_dir, "session" if whole_session else "own"],
+                              stdin=subprocess.DEVNULL)
+    os.environ["TMPDIR"] = temp_dir
+    tempfile.tempdir = temp_dir
+    return temp_dir
+
+
+def reclaim_stale_files() -> list[str]:
+    """Remove what killed runs left on this machine and nobody uses: vLLM CPU communicator
+    segments in /dev/shm that no live process maps or holds open, and private temporary folders
+    of ranks that are gone. Segments of a live job are never touched. Returns the names
+    removed (the caller says so)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    removed = []
     try:
-        helpers.append(os.pidfd_open(int(pid)))
-    except ProcessLookupError:
-        pass
-
-def end_if_orphaned(*_):
-    if os.getppid() == owner:
-        return
-    for pidfd in helpers:
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    os._exit(0)
-
-for owners_signal in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-    signal.signal(owners_signal, signal.SIG_IGN)
-signal.signal(signal.SIGTERM, end_if_orphaned)
-ctypes.CDLL(None, use_errno=True).prctl(%d, signal.SIGTERM, 0, 0, 0)
-end_if_orphaned()
-while True:
-    signal.pause()
-""" % PR_SET_PDEATHSIG
-"""A guard: holds a pidfd of each helper (a pidfd names that process, never a later one with the
-same number) and SIGKILLs them once its owner has died (the kernel's SIGTERM for it). Signals
-sent to the whole job (SLURM's --signal, its SIGTERM at the time limit, Ctrl-C) leave a guard
-whose owner lives as it is."""
-
-_guards: list[subprocess.Popen] = []
-_guarded: set[int] = set()
+        candidates = {name for name in os.listdir(rank_guard.SHM_DIR)
+                      if _STALE_SEGMENT.search(name)}
+    except OSError:
+        candidates = set()
+    if candidates:
+        unlinked, _ = rank_guard.unlink_unheld(candidates)
+        removed += [os.path.join(rank_guard.SHM_DIR, name) for name in unlinked]
+    for name in os.listdir(_system_temp_dir):
+        match = _TEMP_NAME.match(name)
+        if match and rank_guard.start_time(int(match.group(1))) != int(match.group(2)):
+            shutil.rmtree(os.path.join(_system_temp_dir, name), ignore_errors=True)
+            removed.append(os.path.join(_system_temp_dir, name))
+    return removed
 
 
 @contextlib.contextmanager
@@ -93,8 +119,7 @@ def helper_processes_guarded():
     Manager in the first save). They start with the signals this process handles itself
     blocked, so that a signal sent to every process of a job step (SLURM's `--signal=USR1`, the
     preemption save's trigger) does not kill them in the middle of that save; this process
-    still gets those signals. After the block they are SIGKILLed whenever this process dies,
-    however it dies (Linux 5.3+, which has pidfds; elsewhere only the blocking applies)."""
+    still gets those signals. (That they die with this process is `guard_this_rank`'s part.)"""
     handled = [number for number in signal.valid_signals()
                if callable(signal.getsignal(number))]
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, handled)
@@ -102,13 +127,3 @@ def helper_processes_guarded():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-    if sys.platform.startswith("linux") and hasattr(os, "pidfd_open"):
-        _guard(sorted({child.pid for child in multiprocessing.active_children()} - _guarded))
-
-
-def _guard(helpers: list[int]) -> None:
-    """A guard process for these helpers (none when there are none)."""
-    if helpers:
-        _guards.append(subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD_SOURCE,
-                                         str(os.getpid()), *map(str, helpers)]))
-        _guarded.update(helpers)

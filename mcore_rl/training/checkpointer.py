@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.models.heads import ScalarHead
+from mcore_rl.runtime.faults import kill_point
 from mcore_rl.runtime.process_guard import helper_processes_guarded
 from .optimizer import inner_optimizers
 
@@ -379,6 +380,7 @@ def save_training_state(root: str, step: int, models: dict[str, TrainableModel],
         for folder in (*roles, RNG_DIR):
             os.makedirs(os.path.join(staging, folder))
     _barrier()
+    kill_point("save")
     for role in roles:
         _save_role(os.path.join(staging, role), models[role], with_optimizer[role])
     _write_durably(_rng_path(staging, _rank()),
