@@ -147,3 +147,14 @@ def test_reclaim_removes_what_nobody_holds_and_keeps_what_a_live_process_maps(tm
     os.unlink(live)
     assert sorted(removed) == sorted([stale, str(dead_rank_dir)])
     assert not os.path.exists(stale) and not dead_rank_dir.exists() and live_rank_dir.exists()
+
+
+def test_private_folders_are_not_nested():
+    """A process started by a guarded one inherits its TMPDIR, a private folder; its own goes
+    beside it, not inside (nested ones made vLLM's ZMQ socket paths, <TMPDIR>/<uuid>, longer
+    than a Unix socket's 107 bytes, and a 2-rank engine start then hung)."""
+    outer = f"/tmp/{process_guard.TEMP_PREFIX}3432-420481-lpvo_fkl"
+    inner = f"{outer}/{process_guard.TEMP_PREFIX}8741-454384-a4hz4aaf"
+    assert process_guard._outside_private_folders(inner) == "/tmp"
+    assert process_guard._outside_private_folders(outer) == "/tmp"
+    assert process_guard._outside_private_folders("/scratch/job7") == "/scratch/job7"

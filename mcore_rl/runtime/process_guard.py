@@ -48,8 +48,21 @@ _STALE_SEGMENT = re.compile(r"cpushm_\d+$")
 """vLLM's CPU communicator segments (`<job>-tp:0-[0-1]-cpushm_<rank>`)."""
 
 _guard: subprocess.Popen | None = None
-_system_temp_dir = tempfile.gettempdir()
-"""Where private folders are made (read before this process's TMPDIR points into one)."""
+
+
+def _outside_private_folders(path: str) -> str:
+    """`path` with every trailing private folder of a rank left out: a process started by a
+    guarded one inherits its TMPDIR, and nesting private folders would lengthen the paths
+    libraries make sockets under past the 107 bytes a Unix socket's name may have (vLLM's ZMQ
+    sockets: <TMPDIR>/<uuid>)."""
+    while _TEMP_NAME.match(os.path.basename(path)):
+        path = os.path.dirname(path)
+    return path
+
+
+_system_temp_dir = _outside_private_folders(tempfile.gettempdir())
+"""Where private folders are made: the system's temporary directory (this process's TMPDIR,
+or the one its private folder lies in)."""
 
 
 def exit_with_launcher() -> bool:
