@@ -191,6 +191,16 @@ def train_steps(out_path: str, overrides: list[str], steps: int) -> None:
 
 
 
+def evaluate_then_step(out_path: str, overrides: list[str]) -> None:
+    """An evaluation of the initial policy, then one training step; rank 0 saves both."""
+    trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    evaluation = trainer.evaluate()
+    step = trainer.train_step()
+    if dist.get_rank() == 0:
+        torch.save({"evaluation": evaluation, "step": step}, out_path)
+    trainer.close()
+
+
 def steps_under_device_discipline(out_path: str, overrides: list[str]) -> None:
     """Two RL steps, an evaluation and a resharder sync with host and accelerator tensors told
     apart (tests/device_discipline.py); then rank 0 checks the harness itself: a batch left in

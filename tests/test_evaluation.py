@@ -2,6 +2,7 @@
 their checks; the run-directory contract (writer, resume, torn lines); the compare table against
 numbers computed here from the synthetic runs; plots as valid PNGs; the CLI's return codes."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -170,6 +171,28 @@ def test_single_sample_single_source_has_no_pass_at_k_or_per_source():
     result = run_evaluators(default_evaluators(), None, samples)
     assert not any(name.startswith(("eval/pass@", "eval/accuracy/")) for name in result)
     assert result["eval/accuracy"] == 1.0
+
+
+def test_reward_model_scores_are_rewards_and_accuracy_is_the_ground_truth_check():
+    """Scores of 1.4 and 2.0 from a reward model are not "correct": accuracy and pass@k count
+    the rule check (`checked`), and without one there is no accuracy at all."""
+    checked = [False, False, True, False, True, False]
+    samples = dataclasses.replace(eval_samples(), scores=[1.4, 2.0, -1.0, 0.0, 0.0, 0.5],
+                                  scored_by="reward_model", checked=checked)
+    result = run_evaluators(default_evaluators(), None, samples)
+    assert "eval/reward_mean" not in result
+    assert result["eval/rm_score_mean"] == pytest.approx(2.9 / 6)
+    assert result["eval/accuracy"] == pytest.approx(2 / 6)
+    assert result["eval/accuracy/math"] == pytest.approx(1 / 3)
+    assert result["eval/pass@3"] == pytest.approx(1.0)  # both prompts have a checked answer
+    unchecked = dataclasses.replace(samples, checked=None)
+    result = run_evaluators(default_evaluators(), None, unchecked)
+    assert not any(name.startswith(("eval/accuracy", "eval/pass@")) for name in result)
+    assert "eval/rm_score_mean" in result
+    with pytest.raises(ValueError, match="checked"):
+        dataclasses.replace(eval_samples(), checked=checked)  # rule scores carry their own
+    with pytest.raises(ValueError, match="scored_by"):
+        dataclasses.replace(eval_samples(), scored_by="judge")
 
 
 def test_eval_samples_checks_lengths():

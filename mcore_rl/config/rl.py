@@ -242,6 +242,38 @@ class ImportanceCorrection:
 
 
 @dataclass(frozen=True)
+class RewardHackingConfig:
+    """When an evaluation warns of reward hacking (evaluation/reward_hacking.py): the reward
+    rose since the first evaluation and at least one of these signs shows. Each sign is logged
+    as warnings/<sign> in eval.jsonl; a warning line is printed."""
+
+    accuracy_drop: float = 0.05
+    """Sign accuracy_down: eval/accuracy (a ground-truth check) fell by more than this since
+    the first evaluation (absolute)."""
+
+    distinct_fraction: float = 0.1
+    """Sign diversity_collapse: eval/distinct_1 fell below this fraction of its first value
+    (one answer to every question; on the quickstart's one-token answers a healthy GRPO run
+    keeps 0.21 of it, a reward model's policy that collapsed 0.09)."""
+
+    kl_bound: float = 3.0
+    """Sign kl_exceeded: the KL to the reference (eval/kl_to_reference, else the last step's
+    actor/kl_to_reference) is above this (the quickstart's GRPO ends near 1.1)."""
+
+    def errors(self) -> list[str]:
+        errors = []
+        if not 0 <= self.accuracy_drop <= 1:
+            errors.append(f"trainer.reward_hacking.accuracy_drop={self.accuracy_drop} must be "
+                          "in [0, 1]")
+        if not 0 <= self.distinct_fraction <= 1:
+            errors.append(f"trainer.reward_hacking.distinct_fraction={self.distinct_fraction} "
+                          "must be in [0, 1]")
+        if not self.kl_bound > 0:
+            errors.append(f"trainer.reward_hacking.kl_bound={self.kl_bound} must be positive")
+        return errors
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The loop: how many steps, how each batch is reused, when to evaluate and save."""
 
@@ -276,6 +308,9 @@ class TrainerConfig:
     eval_every: int = 0
     """Evaluate on the validation prompts every this many steps (and before the first and
     after the last); 0: never."""
+
+    reward_hacking: RewardHackingConfig = field(default_factory=RewardHackingConfig)
+    """Thresholds of the reward-hacking warning checked at each evaluation."""
 
     eval_kl_to_reference: bool = True
     """With a reference model, each evaluation also logs eval/kl_to_reference, the policy's KL
@@ -321,6 +356,7 @@ class TrainerConfig:
         for name in ("save_every", "eval_every", "export_hf_every"):
             if getattr(self, name) < 0:
                 errors.append(f"trainer.{name}={getattr(self, name)} must be >= 0")
+        errors += self.reward_hacking.errors()
         errors += self._wandb_errors()
         if self.save_signal is not None:
             try:

@@ -27,6 +27,7 @@ from typing import Iterable
 from . import response_metrics as metrics
 
 EVAL_PREFIX = "eval/"
+SCORED_BY = ("rule", "reward_model")
 
 
 @dataclasses.dataclass
@@ -41,13 +42,20 @@ class EvalSamples:
     response_token_ids: list[list[int]]
     """Every response's token ids (generated tokens only, stop token included if generated)."""
     scores: list[float]
-    """Every response's reward (correct when >= metrics.CORRECT_SCORE)."""
+    """Every response's reward: a rule's score, or a reward model's (see `scored_by`)."""
     prompt_index: list[int]
     """For every response, the index into `prompts` of the prompt it answers."""
     data_sources: list[str]
     """Every prompt's data source (dataset or task name), one per prompt like `prompts`."""
     samples_per_prompt: int
     """Responses generated per prompt (rollout.eval_sampling.n)."""
+    scored_by: str = "rule"
+    """"rule": `scores` are rule rewards and a response is correct when its score is at least
+    metrics.CORRECT_SCORE. "reward_model": `scores` are a reward model's and say nothing about
+    correctness; `checked` does."""
+    checked: list[bool] | None = None
+    """With scored_by="reward_model": per response, whether its answer matched the row's ground
+    truth (the rule rewards' check), or None when the answers were not checked."""
 
     def __post_init__(self):
         responses = len(self.responses)
@@ -62,10 +70,20 @@ class EvalSamples:
             raise ValueError(f"EvalSamples: a prompt_index is outside 0..{len(self.prompts) - 1}")
         if self.samples_per_prompt < 1:
             raise ValueError(f"EvalSamples: samples_per_prompt={self.samples_per_prompt}")
+        if self.scored_by not in SCORED_BY:
+            raise ValueError(f"EvalSamples: scored_by={self.scored_by!r}, expected one of "
+                             f"{', '.join(SCORED_BY)}")
+        if self.checked is not None and (self.scored_by != "reward_model"
+                                         or len(self.checked) != responses):
+            raise ValueError(f"EvalSamples: checked ({len(self.checked)}) is for the "
+                             f"{responses} responses of scored_by='reward_model'")
 
-    def correct(self) -> list[bool]:
-        """Whether each response is correct (score >= metrics.CORRECT_SCORE)."""
-        return [metrics.is_correct(score) for score in self.scores]
+    def correct(self) -> list[bool] | None:
+        """Whether each response is correct against its ground truth (rule scores at least
+        metrics.CORRECT_SCORE, or the reward model's `checked`); None when unknown."""
+        if self.scored_by == "rule":
+            return [metrics.is_correct(score) for score in self.scores]
+        return self.checked
 
 
 class Evaluator:
@@ -83,18 +101,23 @@ def _mean(values: list[float]) -> float:
 
 
 class RewardEvaluator(Evaluator):
-    """eval/reward_mean: mean score of all responses."""
+    """The mean score of all responses: eval/reward_mean for rule rewards, eval/rm_score_mean
+    for a reward model's (a reward, never to be read as accuracy)."""
 
     def evaluate(self, trainer, samples: EvalSamples) -> dict[str, float]:
-        return {"eval/reward_mean": _mean([float(score) for score in samples.scores])}
+        name = "eval/reward_mean" if samples.scored_by == "rule" else "eval/rm_score_mean"
+        return {name: _mean([float(score) for score in samples.scores])}
 
 
 class AccuracyEvaluator(Evaluator):
-    """eval/accuracy: fraction of correct responses (pass@1); with several data sources also
-    eval/accuracy/<source> for each."""
+    """eval/accuracy: fraction of responses correct against their ground truth (pass@1); with
+    several data sources also eval/accuracy/<source> for each. Nothing when the answers were
+    not checked (a reward model without rules for the data)."""
 
     def evaluate(self, trainer, samples: EvalSamples) -> dict[str, float]:
         correct = samples.correct()
+        if correct is None:
+            return {}
         result = {"eval/accuracy": _mean([float(ok) for ok in correct])}
         if len(set(samples.data_sources)) > 1:
             for source in sorted(set(samples.data_sources)):
@@ -105,16 +128,15 @@ class AccuracyEvaluator(Evaluator):
 
 
 class PassAtKEvaluator(Evaluator):
-    """eval/pass@K with K = samples_per_prompt, when K > 1: the unbiased estimator of Chen et
+    """eval/pass@K with K = samples_per_prompt, when K > 1 and answers are checked: the unbiased estimator of Chen et
     al. (2021) averaged over prompts (with exactly K samples per prompt it is the fraction of
     prompts with at least one correct response)."""
 
     def evaluate(self, trainer, samples: EvalSamples) -> dict[str, float]:
-        k = samples.samples_per_prompt
-        if k == 1:
+        k, correct = samples.samples_per_prompt, samples.correct()
+        if k == 1 or correct is None:
             return {}
-        num_samples, num_correct = metrics.counts_per_prompt(samples.prompt_index,
-                                                             samples.correct())
+        num_samples, num_correct = metrics.counts_per_prompt(samples.prompt_index, correct)
         return {f"eval/pass@{k}": metrics.pass_at_k(num_samples, num_correct, k)}
 
 

@@ -80,6 +80,7 @@ def _reward_plot(run: Run, path: Path) -> Path:
                           [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                           alpha=0.2, label="train reward/mean ± reward/std")
     _line(axes, run, "eval/reward_mean", "eval/reward_mean")
+    _line(axes, run, "eval/rm_score_mean", "eval/rm_score_mean (reward model)")
     _finish(axes, f"{run.name}: reward", "reward")
     return save_png_atomically(figure, path)
 
@@ -92,7 +93,8 @@ def _accuracy_plot(run: Run, path: Path) -> Path:
                         if name.startswith("eval/pass@")})
     for name in pass_at_k:
         _line(axes, run, name, name)
-    _finish(axes, f"{run.name}: accuracy (score >= 1)", "fraction correct")
+    _finish(axes, f"{run.name}: accuracy (answers checked against the ground truth)",
+            "fraction correct")
     return save_png_atomically(figure, path)
 
 

@@ -46,6 +46,12 @@ class RewardResult:
     """Other numbers the function returned (e.g. {"acc": 1.0}), plus "correctness" and "format"
     when the format reward is on; empty if none."""
 
+    correct: Optional[bool] = None
+    """Whether a check against the row's ground truth found the response right (a rule reward's
+    score >= 1.0, set by the reward role); None where nothing checked it (a reward model's score
+    without rule functions for the data source). Accuracy metrics count only checked responses:
+    a reward model's score is a reward, never a correctness."""
+
     @staticmethod
     def failed(error: str) -> "RewardResult":
         return RewardResult(score=0.0, error=error, details={})

@@ -26,9 +26,9 @@ from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.resharding.layouts import DEFAULT_ORDER, TrainingLayout
 from mcore_rl.resharding.plan import ReshardPlan
 from mcore_rl.resharding.rank_order import choose_training_order
-from mcore_rl.rewards import RuleRewards
+from mcore_rl.rewards import FunctionTable, RuleRewards
 from mcore_rl.roles import Actor, Critic, Reference, RewardModel, RuleReward
-from mcore_rl.runtime import LaunchEnv, seed_everything
+from mcore_rl.runtime import LaunchEnv, print0, seed_everything
 from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.transport import Transport
 from mcore_rl.rollout import MegatronEngine, RolloutEngine
@@ -83,10 +83,14 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
 def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_scorer: bool
                       ) -> RuleReward | None:
     """The rule rewards on the ranks that score (the first of each model-parallel group), after
-    checking on every rank that each data source has a reward function (collective). None where
-    a reward model scores instead. reward_fn: see `Trainer`."""
+    checking on every rank that each data source has a reward function (collective). With a
+    reward model they only check answers against the ground truth, and only where every row
+    has one and every data source a rule (`ground_truth_checked`); else None. reward_fn: see
+    `Trainer`."""
     reward, problems = None, []
-    if is_scorer and not config.reward.model_path:
+    if config.reward.model_path and not ground_truth_checked(config, data, reward_fn):
+        return None
+    if is_scorer:
         try:
             rewards = RuleRewards(config.reward, reward_fn)
             reward = RuleReward(rewards, data.tokenizer)
@@ -95,6 +99,21 @@ def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_score
             problems.append(str(error))
     raise_on_any_rank(problems, ConfigError, "reward: ")
     return reward
+
+
+def ground_truth_checked(config: JobConfig, data: TrainingData, reward_fn) -> bool:
+    """Whether a reward model's job can also check answers: every training and validation row
+    carries a ground truth and every data source has a rule (or `reward_fn` scores them all).
+    Said on rank 0 when it cannot (no accuracy is logged then)."""
+    records, table = data.records + data.validation, FunctionTable.from_config(config.reward)
+    missing = sum(record.ground_truth is None for record in records)
+    unknown = [] if reward_fn else sorted({record.data_source for record in records
+                                           if table.path_for(record.data_source) is None})
+    if missing or unknown:
+        print0(f"reward.model_path: answers are not checked against a ground truth "
+               f"({missing} rows without one, data sources without a rule: {unknown or 'none'})"
+               f"; no reward/accuracy or eval/accuracy is logged")
+    return not (missing or unknown)
 
 
 def build_reward_model(config: JobConfig, device: torch.device) -> RewardModel:

@@ -53,7 +53,8 @@ class RLEvaluator:
         mine = ([_prompt_text(record.prompt) for record in records],
                 [record.data_source for record in records],
                 [(c.prompt_index, c.token_ids, decode(c.token_ids, skip_special_tokens=True),
-                  result.score) for c, result in zip(generation.completions, results)])
+                  result.score, result.correct)
+                 for c, result in zip(generation.completions, results)])
         shares = [None] * dist.get_world_size(self.dp_group)
         dist.all_gather_object(shares, mine, group=self.dp_group)
         prompts, sources, completions = [], [], []
@@ -61,12 +62,16 @@ class RLEvaluator:
             completions += [(len(prompts) + index, *rest) for index, *rest in share_completions]
             prompts += share_prompts
             sources += share_sources
+        by_model = bool(self.config.reward.model_path)
+        checked = [c[4] for c in completions]
         return EvalSamples(prompts=prompts, data_sources=sources,
                            prompt_index=[c[0] for c in completions],
                            response_token_ids=[list(c[1]) for c in completions],
                            responses=[c[2] for c in completions],
                            scores=[float(c[3]) for c in completions],
-                           samples_per_prompt=self.config.rollout.eval_sampling.n)
+                           samples_per_prompt=self.config.rollout.eval_sampling.n,
+                           scored_by="reward_model" if by_model else "rule",
+                           checked=checked if by_model and None not in checked else None)
 
     def _kl_to_reference(self, generation) -> float:
         """Mean per-token KL (algorithm.kl_estimator) of the policy to the reference on the

@@ -18,11 +18,14 @@ from .experience import Rollout
 def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
                         stats: SumsAndCounts, mismatch: bool = True) -> None:
     """This rank's rollout numbers: rewards, lengths, advantages, values, and the engine/trainer
-    log-prob mismatch (unless the old log-probs are the engine's own: `mismatch` false)."""
+    log-prob mismatch (unless the old log-probs are the engine's own: `mismatch` false).
+    reward/accuracy counts the answers checked against a ground truth (RewardResult.correct:
+    every one or none, the same on every rank for a job)."""
     scores = batch["scores"].double()
     stats.add("reward/mean", scores)
     stats.add("reward/square", scores.square())
-    stats.add("reward/accuracy", (scores >= 1.0).double())
+    if results and results[0].correct is not None:
+        stats.add("reward/accuracy", torch.tensor([float(r.correct) for r in results]))
     stats.add("reward/errors", torch.tensor([sum(r.error is not None for r in results)],
                                             dtype=torch.float64))
     response = batch["response_mask"].bool()

@@ -27,6 +27,7 @@ from mcore_rl.algorithms.kl import KLController
 from mcore_rl.config import JobConfig, to_yaml
 from mcore_rl.config.rollout import PromptConfig
 from mcore_rl.evaluation import Evaluator
+from mcore_rl.evaluation.reward_hacking import RewardHackingMonitor
 from mcore_rl.observability import METRICS_FILE, refuse_earlier_run
 from mcore_rl.observability.step_metrics import (MetricsLogger, PhaseTimer, SumsAndCounts,
                                                  peak_memory_metrics)
@@ -120,6 +121,7 @@ class Trainer:
         algorithm = config.algorithm
         self.kl_controller = KLController(algorithm.kl_coef, algorithm.kl_controller == "adaptive",
                                           algorithm.target_kl, algorithm.kl_horizon)
+        self.hacking_monitor = RewardHackingMonitor(config.trainer.reward_hacking)
         self.step = 0
         self.bad_steps = 0
         self.logger = MetricsLogger.for_job(config)
@@ -201,7 +203,7 @@ class Trainer:
         self.timeline.record(self.step, experience.timer.intervals)
         self.trained_prompts.record(self.step, experience.prompts)
         if self._evaluation_due():
-            self.logger.log(self.step, self.evaluate(), "eval")
+            self._evaluate_and_log(metrics)
         if self._save_due():
             self.save()
         export_every = self.config.trainer.export_hf_every
@@ -217,7 +219,7 @@ class Trainer:
         history = []
         total_steps = self.config.trainer.total_steps
         if self.config.trainer.eval_every and self.step == 0:
-            self.logger.log(0, self.evaluate(), "eval")
+            self._evaluate_and_log()
         with progress(total=total_steps, initial=self.step, desc="train", unit="step") as bar:
             while self.step < total_steps:
                 history.append(self.train_step())
@@ -234,6 +236,18 @@ class Trainer:
     def evaluate(self) -> dict:
         """The evaluators' metrics on the validation prompts (see rl.evaluator; collective)."""
         return self.evaluator.evaluate(self, self.step)
+
+    def _evaluate_and_log(self, step_metrics: dict | None = None) -> None:
+        """Evaluate, check for signs of reward hacking (warned of on the console, logged as
+        warnings/*) and log the row; `step_metrics`: the step's, whose KL to the reference
+        stands in when the evaluation has none."""
+        metrics = self.evaluate()
+        warnings, message = self.hacking_monitor.check(
+            metrics, (step_metrics or {}).get("actor/kl_to_reference"))
+        metrics.update(warnings)
+        if message:
+            print0(f"WARNING step {self.step}: {message}")
+        self.logger.log(self.step, metrics, "eval")
 
     def register_evaluator(self, evaluator: Evaluator) -> None:
         """Run `evaluator.evaluate(trainer, samples)` at every evaluation (on every rank, with
@@ -301,7 +315,8 @@ class Trainer:
     def save(self) -> str:
         """Checkpoint everything a bitwise resume needs (collective)."""
         state = {"sampler": self.data.sampler.state_dict(),
-                 "kl_controller": self.kl_controller.state_dict(), "bad_steps": self.bad_steps}
+                 "kl_controller": self.kl_controller.state_dict(), "bad_steps": self.bad_steps,
+                 "reward_hacking": self.hacking_monitor.state_dict()}
         return checkpointer.save_training_state(
             self.checkpoint_dir, self.step, self._trained_models(), state, to_yaml(self.config),
             self.config.trainer.keep_last, rank_state=self.scheduler.state_dict())
@@ -315,6 +330,8 @@ class Trainer:
         self.data.sampler.load_state_dict(state["sampler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.bad_steps = state["bad_steps"]
+        if "reward_hacking" in state:  # not in checkpoints from before the monitor
+            self.hacking_monitor.load_state_dict(state["reward_hacking"])
         self.scheduler.load_state_dict(state["rank_state"])
         print0(f"resumed from step {self.step} ({self.checkpoint_dir})")
 

@@ -6,6 +6,9 @@ row's own extra_info["prompt"] is kept), so prompt-dependent rewards need no dat
 
 from __future__ import annotations
 
+import dataclasses
+
+from mcore_rl.evaluation import is_correct
 from mcore_rl.rewards import RewardRequest, RuleRewards
 from mcore_rl.rollout import Generation
 
@@ -18,8 +21,9 @@ class RuleReward:
         self.tokenizer = tokenizer
 
     def score(self, generation: Generation, records: list, sample_prefix: str) -> list:
-        """One RewardResult per completion, in order. Failed or timed-out calls score 0 with
-        an error (the sandbox logs them with their sample ids)."""
+        """One RewardResult per completion, in order, `correct` when its score is at least
+        evaluation.CORRECT_SCORE. Failed or timed-out calls score 0 with an error (the sandbox
+        logs them with their sample ids)."""
         requests = []
         for completion in generation.completions:
             record = records[completion.prompt_index]
@@ -29,4 +33,5 @@ class RuleReward:
                 response=self.tokenizer.decode(completion.token_ids, skip_special_tokens=True),
                 ground_truth=record.ground_truth,
                 extra_info={"prompt": record.prompt, **record.extra_info}))
-        return self.rewards.score(requests)
+        return [dataclasses.replace(result, correct=is_correct(result.score))
+                for result in self.rewards.score(requests)]

@@ -4,7 +4,9 @@ Every rank of a model-parallel group (TP x PP) must train on identical rows, so 
 first rank is the source of truth for what was generated and how it scored: it scores its
 generation with the rule rewards (sandboxed workers run only there) and broadcasts both to the
 group. A reward model is itself model-parallel, so it scores on every rank, after the
-hand-over.
+hand-over; the rule rewards, where the data sources have them, then still check each response
+against its ground truth (`RewardResult.correct`), so that accuracy is measured, not read off
+the reward model's score.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ class Scorer:
     def __init__(self, rule_reward: RuleReward | None, reward_model: RewardModel | None,
                  pad_id: int, model_parallel_group):
         self.rule_reward = rule_reward
-        """The rule rewards (only on the group's first rank; None where a reward model
-        scores)."""
+        """The rule rewards (only on the group's first rank): the reward, or with a reward
+        model only the ground-truth check (None where the data sources have no rule)."""
         self.reward_model = reward_model
         self.pad_id = pad_id
         self.group = model_parallel_group
@@ -44,8 +46,10 @@ class Scorer:
         generation, results = payload[0]
         if self.reward_model is not None:
             rows = generation.response_tensors(self.pad_id)
-            scores = self.reward_model.score(rows["input_ids"], rows["attention_mask"])
-            results = [RewardResult(float(score)) for score in scores.tolist()]
+            scores = self.reward_model.score(rows["input_ids"], rows["attention_mask"]).tolist()
+            checks = [result.correct for result in results] if results else [None] * len(scores)
+            results = [RewardResult(float(score), correct=correct)
+                       for score, correct in zip(scores, checks)]
         return generation, results
 
     def close(self) -> None:
