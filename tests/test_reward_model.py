@@ -51,21 +51,28 @@ def test_reward_model_folder_is_checked(tmp_path):
 
 
 def test_a_reward_models_score_is_a_reward_and_accuracy_stays_the_ground_truth_check(tmp_path):
-    """GRPO on the toy copy task, once rewarded by its rule and once by a (random) reward model:
-    the initial policy's greedy evaluation and first samples are the same in both runs, so the
-    reward-model run must report the same eval/accuracy and reward/accuracy (the rule's check of
-    the answers), its scores as eval/rm_score_mean and reward/mean, and no eval/reward_mean."""
+    """GRPO on the toy copy task, once rewarded by its rule and once by a reward model that
+    scores every response 5.0 (its layers add nothing to a constant embedding; the head reads
+    5.0 off it): the initial policy's greedy evaluation and first samples are the same in both
+    runs, so the reward-model run must report the rule's eval/accuracy and reward/accuracy (read
+    off the scores, as before, every answer would be "correct"), its scores as
+    eval/rm_score_mean and reward/mean, and no eval/reward_mean."""
     import os
 
     from rl_worker import evaluate_then_step
 
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                       num_attention_heads=2, vocab_size=16, num_labels=1,
-                                      pad_token_id=0, max_position_embeddings=64,
+                                      pad_token_id=0, max_position_embeddings=64, rms_norm_eps=1e-6,
                                       architectures=["LlamaForSequenceClassification"])
-    torch.manual_seed(0)
-    transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(
-        tmp_path / "rm", safe_serialization=True)
+    model = transformers.AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.score.weight.fill_(5.0 / config.hidden_size)
+    model.save_pretrained(tmp_path / "rm", safe_serialization=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     runs = {}
     for name, extra in (("rule", []), ("rm", [f"reward.model_path={tmp_path / 'rm'}"])):
@@ -74,9 +81,9 @@ def test_a_reward_models_score_is_a_reward_and_accuracy_stays_the_ground_truth_c
                    "trainer.plots=false", *extra])
         runs[name] = torch.load(tmp_path / f"{name}.pt")
     rule, rm = runs["rule"], runs["rm"]
-    assert rm["evaluation"]["eval/accuracy"] == rule["evaluation"]["eval/accuracy"]
-    assert rm["step"]["reward/accuracy"] == rule["step"]["reward/accuracy"]
+    assert rm["evaluation"]["eval/rm_score_mean"] == pytest.approx(5.0, rel=1e-5)
+    assert rm["step"]["reward/mean"] == pytest.approx(5.0, rel=1e-5)
+    assert "eval/reward_mean" not in rm["evaluation"]
+    assert rm["evaluation"]["eval/accuracy"] == rule["evaluation"]["eval/accuracy"] < 1
+    assert rm["step"]["reward/accuracy"] == rule["step"]["reward/accuracy"] < 1
     assert rm["step"]["response/length_mean"] == rule["step"]["response/length_mean"]
-    assert "eval/reward_mean" not in rm["evaluation"] and "eval/rm_score_mean" in rm["evaluation"]
-    assert rm["step"]["reward/mean"] != rule["step"]["reward/mean"]  # the model's scores
-    assert 0 < rule["step"]["reward/accuracy"] < 1  # a check that can tell the runs apart
