@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
@@ -61,7 +60,11 @@ class Server:
 
 
 def _scratch_folders() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "mcore_rl_serve_*")))
+    """The server's scratch folders: in its private temporary folder (process_guard)."""
+    from mcore_rl.runtime.process_guard import TEMP_PREFIX, system_temp_dir
+
+    return set(glob.glob(os.path.join(system_temp_dir(), f"{TEMP_PREFIX}*",
+                                      "mcore_rl_serve_*")))
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import getpass
 import os
 import re
 import shutil
@@ -65,6 +66,11 @@ _system_temp_dir = _outside_private_folders(tempfile.gettempdir())
 or the one its private folder lies in)."""
 
 
+def system_temp_dir() -> str:
+    """The machine's temporary directory, where private folders are made (outside them)."""
+    return _system_temp_dir
+
+
 def exit_with_launcher() -> bool:
     """Under torchrun on Linux: be killed when torchrun's agent dies (exit now if it already
     has). Returns whether the guard is set."""
@@ -97,9 +103,26 @@ def guard_this_rank() -> str | None:
     _guard = subprocess.Popen([sys.executable, "-I", "-S", rank_guard.__file__, str(pid),
                                temp_dir, "session" if whole_session else "own"],
                               stdin=subprocess.DEVNULL)
+    _keep_caches_in(_system_temp_dir)
     os.environ["TMPDIR"] = temp_dir
     tempfile.tempdir = temp_dir
     return temp_dir
+
+
+CACHES_UNDER_TMPDIR = {"TORCHINDUCTOR_CACHE_DIR": "torchinductor_{user}"}
+"""Caches that libraries keep under the temporary directory by default, meant to outlive a run
+(torch.compile's kernels: vLLM compiles some at every engine start). A private TMPDIR would
+make each rank start cold (+50% on tests/test_rl_resume.py), so they stay where they were."""
+
+
+def _keep_caches_in(temp_dir: str) -> None:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    user = re.sub(r"[\\/:*?\"<>|]", "_", user)  # as torch names its folder
+    for variable, folder in CACHES_UNDER_TMPDIR.items():
+        os.environ.setdefault(variable, os.path.join(temp_dir, folder.format(user=user)))
 
 
 def reclaim_stale_files() -> list[str]:
