@@ -48,6 +48,7 @@ sys.path.insert(0, REPO)
 
 from mcore_rl.observability.trained_prompts import read_trained_prompts  # noqa: E402
 from mcore_rl.runtime.faults import KILL_AT_VARIABLE, TARGETS, parse_kill_at  # noqa: E402
+from mcore_rl.runtime.process_guard import TEMP_PREFIX, system_temp_dir  # noqa: E402
 PHASES = ("generate", "reshard", "update", "save", "evaluate")
 UNCOMPARED = ("wall_time", "time/", "throughput/", "memory/")
 """Metrics that measure the machine, not the training."""
@@ -142,8 +143,9 @@ def _job_processes(marker: str) -> list[str]:
 
 
 def _named_leftovers() -> set[str]:
+    """Shared-memory segments and the ranks' private temporary folders on this machine."""
     return set(glob.glob("/dev/shm/*")) | set(glob.glob(os.path.join(
-        os.environ.get("TMPDIR", "/tmp"), "mcore_rl-rank-*")))
+        system_temp_dir(), f"{TEMP_PREFIX}*")))
 
 
 def _complete_steps(output_dir: str) -> list[int]:

@@ -177,8 +177,13 @@ def test_sigterm_to_torchrun_saves_when_asked_and_leaves_nothing(tmp_path):
     import time
     import uuid
 
-    marker = uuid.uuid4().hex
-    named_before = set(glob.glob("/dev/shm/*")) | set(glob.glob("/tmp/mcore_rl-rank-*"))
+    from mcore_rl.runtime.process_guard import TEMP_PREFIX, system_temp_dir
+
+    def named():  # shared-memory segments and the ranks' private temporary folders
+        return set(glob.glob("/dev/shm/*")) | set(glob.glob(os.path.join(system_temp_dir(),
+                                                                          f"{TEMP_PREFIX}*")))
+
+    marker, named_before = uuid.uuid4().hex, named()
     launcher = start_two_rank_job(tmp_path, 29568, "rollout.rollout_tp=2",
                                   "trainer.save_signal=SIGTERM", MCORE_RL_TEST_JOB=marker)
     try:
@@ -193,9 +198,7 @@ def test_sigterm_to_torchrun_saves_when_asked_and_leaves_nothing(tmp_path):
     deadline, left = time.monotonic() + 15, None
     while left != ([], set()) and time.monotonic() < deadline:
         time.sleep(0.25)
-        left = (_processes_with(f"MCORE_RL_TEST_JOB={marker}"),
-                (set(glob.glob("/dev/shm/*")) | set(glob.glob("/tmp/mcore_rl-rank-*")))
-                - named_before)
+        left = (_processes_with(f"MCORE_RL_TEST_JOB={marker}"), named() - named_before)
     assert left == ([], set())
 
 
