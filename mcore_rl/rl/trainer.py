@@ -202,13 +202,11 @@ class Trainer:
         self.logger.log(self.step, metrics)
         self.timeline.record(self.step, experience.timer.intervals)
         self.trained_prompts.record(self.step, experience.prompts)
-        if self._evaluation_due():
+        if self._due(self.config.trainer.eval_every):
             self._evaluate_and_log(metrics)
-        if self._save_due():
+        if self._due(self.config.trainer.save_every):
             self.save()
-        export_every = self.config.trainer.export_hf_every
-        if export_every and (self.step % export_every == 0
-                             or self.step == self.config.trainer.total_steps):
+        if self._due(self.config.trainer.export_hf_every):
             self.export_hf()
         return metrics
 
@@ -286,21 +284,16 @@ class Trainer:
                 f"(trainer.max_bad_steps={self.config.trainer.max_bad_steps}); the newest "
                 f"checkpoint in {self.checkpoint_dir} is from before them")
 
-    def _evaluation_due(self) -> bool:
-        """Whether train_step evaluates after the current step."""
-        every = self.config.trainer.eval_every
+    def _due(self, every: int) -> bool:
+        """Whether something done every `every` steps and after the last (0: never) is due
+        (was done) after the current step: evaluations, saves, HF exports."""
         return bool(every) and (self.step % every == 0
                                 or self.step == self.config.trainer.total_steps)
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _save_due(self) -> bool:
-        """Whether train_step saves (saved) a checkpoint after the current step."""
-        trainer = self.config.trainer
-        return bool(trainer.save_every) and (self.step % trainer.save_every == 0
-                                             or self.step == trainer.total_steps)
 
     def _save_for_requeue(self) -> None:
-        if not self._save_due():
+        if not self._due(self.config.trainer.save_every):
             self.save()
         self.preempted = True
         print0(f"step {self.step}: {self.config.trainer.save_signal} received; saved "
