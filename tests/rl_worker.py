@@ -181,6 +181,15 @@ def train_and_export(out_path: str, overrides: list[str]) -> None:
     trainer.close()
 
 
+def fit(out_path: str, overrides: list[str]) -> None:
+    """Trainer.fit(); rank 0 saves the history and whether it stopped early."""
+    trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    history = trainer.fit()
+    if dist.get_rank() == 0:
+        torch.save({"history": history, "stopped": trainer.selection.stopped}, out_path)
+    trainer.close()
+
+
 def train_steps(out_path: str, overrides: list[str], steps: int) -> None:
     """`steps` training steps; rank 0 saves their metrics."""
     trainer = Trainer(load_config(TOY_CONFIG, overrides))

@@ -87,3 +87,90 @@ def test_a_reward_models_score_is_a_reward_and_accuracy_stays_the_ground_truth_c
     assert rm["evaluation"]["eval/accuracy"] == rule["evaluation"]["eval/accuracy"] < 1
     assert rm["step"]["reward/accuracy"] == rule["step"]["reward/accuracy"] < 1
     assert rm["step"]["response/length_mean"] == rule["step"]["response/length_mean"]
+
+
+def save_reward_model_for_a_word(folder, word_id: int, vocab_size: int = 16) -> None:
+    """A LlamaForSequenceClassification that scores a sequence by the share of its tokens that
+    are `word_id`: 0 without the word, rising with its share (to about 5). Every embedding is
+    e0, the word's e0 + e1; zero query and key projections make attention average the
+    (normalised) embeddings of all positions, which identity value and output projections add
+    to the last one; after the final RMSNorm the e1 component grows with the word's share, and
+    the head reads it."""
+    hidden = 64
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=96,
+                                      vocab_size=vocab_size, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                                      pad_token_id=0, max_position_embeddings=64,
+                                      rms_norm_eps=1e-6,
+                                      architectures=["LlamaForSequenceClassification"])
+    model = transformers.AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.model.embed_tokens.weight[word_id, 1] = 1.0
+        attention = model.model.layers[0].self_attn
+        for projection in (attention.q_proj, attention.k_proj):
+            projection.weight.zero_()
+        for projection in (attention.v_proj, attention.o_proj):
+            projection.weight.copy_(torch.eye(hidden))
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+        model.score.weight.zero_()
+        model.score.weight[0, 1] = 1.0
+    scores = model(input_ids=torch.tensor([[2, 5, 5, 1], [2, 5, word_id, 1],
+                                           [2, word_id, word_id, 1]])).logits[:, 0].tolist()
+    assert scores[0] == pytest.approx(0.0, abs=1e-6) and 1.0 < scores[1] < scores[2], scores
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def test_a_run_built_to_hack_its_reward_model_is_warned_of_and_stopped(tmp_path, capfd):
+    """The toy copy task ("copy 7" -> "7") rewarded by a reward model that pays for the share
+    of the word "is" in the sequence, no KL penalty (the reference only measures): the policy
+    learns to say "is", its reward model score rises, and the warning must fire (the KL bound
+    set to 1 nat: a random policy that always says "is" is log(16) = 2.8 nats from its
+    start). Selected by the copy accuracy, which saying "is" cannot raise, the run keeps its
+    start as the best and stops early."""
+    import os
+
+    from rl_worker import fit
+
+    from mcore_rl.data.toy import TOY_VOCAB
+
+    save_reward_model_for_a_word(tmp_path / "rm", TOY_VOCAB.index("is"))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    out = tmp_path / "run"
+    run_world(1, fit, str(tmp_path / "fit.pt"), [
+        f"runtime.output_dir={out}", f"reward.model_path={tmp_path / 'rm'}",
+        "algorithm.use_kl_loss=true", "algorithm.kl_coef=0", "trainer.total_steps=30",
+        "trainer.eval_every=5", "trainer.save_every=0", "trainer.plots=false",
+        "trainer.reward_hacking.kl_bound=1.0", "trainer.selection.metric=eval/accuracy",
+        "trainer.selection.patience=3", "trainer.selection.min_delta=0.05"])
+    result = torch.load(tmp_path / "fit.pt")
+    evaluations = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    first, last = evaluations[0], evaluations[-1]
+    print("eval rows:", [(row["step"], row["eval/rm_score_mean"], row["eval/accuracy"],
+                          row.get("warnings/reward_hacking")) for row in evaluations])
+    assert last["eval/rm_score_mean"] > first["eval/rm_score_mean"] + 1.0
+    assert last["warnings/kl_exceeded"] == 1.0 and last["warnings/reward_hacking"] == 1.0
+    assert "signs of reward hacking: eval/rm_score_mean rose" in capfd.readouterr().out
+    best = json.loads((out / "hf" / "best.json").read_text())
+    assert best == {"metric": "eval/accuracy", "value": first["eval/accuracy"], "step": 0,
+                    "higher_is_better": True}
+    assert result["stopped"] and len(result["history"]) == 15  # evaluations 5, 10, 15
+    kept = out / "hf" / "best"
+    assert (kept / "config.json").is_file() and any(kept.glob("*.safetensors"))
+
+
+def test_the_reward_models_best_answer_is_read_over_all_ten_digits(tmp_path):
+    """The preference report's ceiling of PPO: a reward model that pays for the share of the
+    digit 7 gives 7 as its best answer to every question, right exactly where 7 is the
+    answer."""
+    from mcore_rl.data.toy import write_word_tokenizer
+    from mcore_rl.quickstart.preference_report import reward_model_best_answer_accuracy
+    from mcore_rl.quickstart.task import VOCABULARY, rl_rows, write_jsonl
+
+    save_reward_model_for_a_word(tmp_path / "rm", VOCABULARY.index("7"), len(VOCABULARY))
+    write_word_tokenizer(str(tmp_path / "rm"), VOCABULARY)
+    questions = [("max 1 2 3", "3"), ("max 7 2 0", "7"), ("max 9 7 1", "9"), ("max 4 6 5", "6")]
+    write_jsonl(str(tmp_path / "val.jsonl"), rl_rows(questions))
+    assert reward_model_best_answer_accuracy(str(tmp_path / "rm"), str(tmp_path / "val.jsonl")
+                                             ) == 0.25

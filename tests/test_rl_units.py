@@ -219,6 +219,14 @@ def test_rl_config_rules_name_the_fields():
     with pytest.raises(ConfigError, match="old_logprobs=engine needs on-policy batches"):
         validate_rl(load_config(None, ["rollout.old_logprobs=engine",
                                        "rollout.async_rollout=true"]), 1)
+    with pytest.raises(ConfigError, match="reward.shaping cannot be combined with algorithm."
+                                          "estimator=remax"):
+        validate_rl(load_config(None, ["algorithm.estimator=remax",
+                                       "reward.shaping.center=true"]), 1)
+    with pytest.raises(ConfigError, match="trainer.selection.metric='eval/accuracy' needs "
+                                          "trainer.eval_every > 0"):
+        validate_rl(load_config(None, ["trainer.selection.metric=eval/accuracy",
+                                       "trainer.eval_every=0"]), 1)
 
 
 def test_make_trainer_config_maps_the_seed_api(monkeypatch):

@@ -165,6 +165,9 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
     errors += config.critic.optimizer.check("critic.optimizer")
     errors += _rl_batch_errors(config, world_size) + list(name_errors)
     errors += _engine_old_logprob_errors(config)
+    if config.reward.shaping.active and config.algorithm.estimator == "remax":
+        errors.append("reward.shaping cannot be combined with algorithm.estimator=remax: its "
+                      "greedy baseline is scored without the shaping")
     length = config.sequence_length()
     if length > config.model.max_position_embeddings:
         errors.append(f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {length} "

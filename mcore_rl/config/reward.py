@@ -16,6 +16,54 @@ from typing import Optional
 R1_FORMAT_PATTERN = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
 
 
+NORMALIZATIONS = ("none", "scale", "standardize")
+
+
+@dataclass(frozen=True)
+class RewardShapingConfig:
+    """How scores become the rewards the policy is trained on (algorithms/reward_shaping.py),
+    in this order: the missing-EOS penalty, centred, normalised, clipped. Meant for a reward model's scores (what TRL's
+    PPO trainer and OpenRLHF offer); they apply to rule scores the same way. The logged
+    reward/mean is the shaped reward, reward/raw_mean the scores before."""
+
+    missing_eos_penalty: float = 0.0
+    """Subtracted from the score of a response that hit rollout.sampling.max_new_tokens
+    without ending (TRL's missing_eos_penalty): a reward model was trained on complete answers
+    and scores a cut-off one at a position it never learned."""
+
+    center: bool = False
+    """Subtract the mean score of the first step's responses, which the starting (SFT) policy
+    sampled, from every score of the run (InstructGPT's reward-model bias)."""
+
+    normalize: str = "none"
+    """none; scale: divide by the running std of every score seen so far (TRL's
+    use_score_scaling); standardize: subtract the running mean too (TRL's use_score_norm,
+    OpenRLHF's normalize_reward)."""
+
+    clip: Optional[float] = None
+    """Clip the (centred, normalised) rewards to [-clip, clip] (TRL's score_clip, OpenRLHF's
+    reward_clip_range); None: no clipping."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the scores are changed at all."""
+        return bool(self.missing_eos_penalty or self.center or self.normalize != "none"
+                    or self.clip is not None)
+
+    def errors(self) -> list[str]:
+        """Broken rules, each naming its field (empty when valid)."""
+        errors = []
+        if self.normalize not in NORMALIZATIONS:
+            errors.append(f"reward.shaping.normalize={self.normalize!r} must be one of "
+                          f"{NORMALIZATIONS}")
+        if self.missing_eos_penalty < 0:
+            errors.append(f"reward.shaping.missing_eos_penalty={self.missing_eos_penalty} "
+                          "must be >= 0")
+        if self.clip is not None and not self.clip > 0:
+            errors.append(f"reward.shaping.clip={self.clip} must be positive (or null)")
+        return errors
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """Rule rewards: functions by data_source, their sandbox, and the format reward; or a
@@ -54,9 +102,13 @@ class RewardConfig:
     """Regular expression the whole response must match (re.fullmatch, DOTALL) to earn the
     format reward; the default is DeepSeek-R1's "<think>...</think> <answer>...</answer>"."""
 
+    shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
+    """The missing-EOS penalty, centring, running normalisation and clipping of the scores
+    before training."""
+
     def errors(self) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""
-        errors = []
+        errors = self.shaping.errors()
         if self.num_workers < 0:
             errors.append(f"reward.num_workers={self.num_workers} must be >= 0 (0: inline)")
         if not self.timeout_seconds > 0:

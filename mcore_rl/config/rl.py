@@ -274,6 +274,44 @@ class RewardHackingConfig:
 
 
 @dataclass(frozen=True)
+class ModelSelectionConfig:
+    """Which evaluated policy to keep, and when to stop (evaluation/model_selection.py): the
+    best evaluation so far by `metric` is exported as an HF folder output_dir/hf/best (its
+    step and value in output_dir/hf/best.json), next to the latest checkpoint; training stops
+    early after `patience` evaluations without improvement. Named as in HF/TRL
+    (metric_for_best_model, greater_is_better, EarlyStoppingCallback) and NeMo-RL
+    (checkpointing.metric_name, higher_is_better)."""
+
+    metric: Optional[str] = None
+    """An evaluation metric as logged, e.g. eval/accuracy (a ground-truth check; select on
+    validation prompts you do not report on); None: no selection, no early stopping."""
+
+    higher_is_better: bool = True
+    """Whether a larger value of `metric` is better."""
+
+    patience: int = 0
+    """Stop after this many evaluations in a row that did not improve on the best by more
+    than min_delta (that step is then the last: saved and exported as such, and a rerun does
+    not continue it); 0: never."""
+
+    min_delta: float = 0.0
+    """How much better than the best an evaluation must be to count as an improvement."""
+
+    def errors(self) -> list[str]:
+        errors = []
+        if self.patience < 0 or self.min_delta < 0:
+            errors.append(f"trainer.selection.patience={self.patience} and min_delta="
+                          f"{self.min_delta} must be >= 0")
+        if self.patience and self.metric is None:
+            errors.append(f"trainer.selection.patience={self.patience} needs "
+                          "trainer.selection.metric (e.g. eval/accuracy)")
+        if self.metric is not None and not self.metric.startswith("eval/"):
+            errors.append(f"trainer.selection.metric={self.metric!r} must be an evaluation "
+                          "metric (eval/...)")
+        return errors
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The loop: how many steps, how each batch is reused, when to evaluate and save."""
 
@@ -311,6 +349,9 @@ class TrainerConfig:
 
     reward_hacking: RewardHackingConfig = field(default_factory=RewardHackingConfig)
     """Thresholds of the reward-hacking warning checked at each evaluation."""
+
+    selection: ModelSelectionConfig = field(default_factory=ModelSelectionConfig)
+    """Best-so-far HF export and early stopping by an evaluation metric (needs eval_every)."""
 
     eval_kl_to_reference: bool = True
     """With a reference model, each evaluation also logs eval/kl_to_reference, the policy's KL
@@ -356,7 +397,10 @@ class TrainerConfig:
         for name in ("save_every", "eval_every", "export_hf_every"):
             if getattr(self, name) < 0:
                 errors.append(f"trainer.{name}={getattr(self, name)} must be >= 0")
-        errors += self.reward_hacking.errors()
+        errors += self.reward_hacking.errors() + self.selection.errors()
+        if self.selection.metric is not None and not self.eval_every:
+            errors.append(f"trainer.selection.metric={self.selection.metric!r} needs "
+                          "trainer.eval_every > 0")
         errors += self._wandb_errors()
         if self.save_signal is not None:
             try:

@@ -1,5 +1,6 @@
-"""`python -m mcore_rl.quickstart prepare|report DIR`: the quickstart's first and last steps
-(scripts/quickstart.sh runs the conversion, SFT and GRPO between them)."""
+"""`python -m mcore_rl.quickstart prepare|report|preference-report DIR`: the quickstart's first
+and last steps (scripts/quickstart.sh runs the conversion, SFT and GRPO between them;
+scripts/preference_pipeline.sh SFT, a reward model, PPO and DPO)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,21 @@ import argparse
 import sys
 
 from .files import prepare, report
+from .preference_report import preference_report
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mcore_rl.quickstart",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=("prepare", "report"))
+    parser.add_argument("step", choices=("prepare", "report", "preference-report"))
     parser.add_argument("directory", help="the quickstart's directory (runs/quickstart)")
     args = parser.parse_args(argv)
     if args.step == "prepare":
         prepare(args.directory)
-    else:
+    elif args.step == "report":
         print(report(args.directory))
+    else:
+        print(preference_report(args.directory))
     return 0
 
 

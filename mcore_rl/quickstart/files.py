@@ -3,7 +3,11 @@ reads their results back afterwards.
 
     <dir>/data/          sft_train.jsonl (24 demonstrations), sft_val.jsonl, rl_train.jsonl,
                          rl_val.jsonl (200 held-out questions, never trained on),
-                         pairs_train.jsonl, pairs_val.jsonl (preference pairs, same split)
+                         pairs_train.jsonl, pairs_val.jsonl (preference pairs, the answer
+                         over each wrong digit: of the training questions but the last 100,
+                         and of the held-out ones), rlhf_train.jsonl
+                         and rlhf_dev.jsonl (RL rows of the pairs' questions and of those last
+                         100: what scripts/preference_pipeline.sh trains PPO on and selects by)
     <dir>/hf_init/       the tiny random Llama and its tokenizer (HF)
     <dir>/mcore_init/    the same converted to a Megatron checkpoint
     <dir>/sft/           the SFT run; sft/model is its weights checkpoint
@@ -20,6 +24,7 @@ from .tiny_model import write_tiny_llama
 
 HELD_OUT_QUESTIONS = 200
 DEMONSTRATIONS = 24
+DEV_QUESTIONS = 100  # the preference pipeline's validation set, for checkpoint selection
 SEED = 0
 
 
@@ -43,13 +48,19 @@ def prepare(directory: str) -> None:
 
 
 def _prepare_pairs(data: Path) -> None:
-    """Preference pairs for `mcore-rl rm` / `dpo` (configs/quickstart/rm.yaml, dpo.yaml):
-    the training questions and the held-out ones, as in the RL files."""
-    if (data / "pairs_train.jsonl").is_file():
+    """Preference pairs for `mcore-rl rm` / `dpo` (configs/quickstart/rm.yaml, dpo.yaml) and
+    the RL rows of SFT -> RM -> PPO (configs/quickstart/ppo_rm.yaml). The last DEV_QUESTIONS
+    training questions are left out of both, so that PPO's checkpoint can be selected on
+    questions neither the reward model nor the policy was trained on, and the held-out ones
+    stay for the final figure."""
+    if (data / "rlhf_dev.jsonl").is_file():
         return
     split = split_questions(HELD_OUT_QUESTIONS, DEMONSTRATIONS, SEED)
+    train, dev = split["train"][:-DEV_QUESTIONS], split["train"][-DEV_QUESTIONS:]
     write_jsonl(str(data / "pairs_val.jsonl"), preference_rows(split["held_out"]))
-    write_jsonl(str(data / "pairs_train.jsonl"), preference_rows(split["train"]))
+    write_jsonl(str(data / "pairs_train.jsonl"), preference_rows(train))
+    write_jsonl(str(data / "rlhf_train.jsonl"), rl_rows(train))
+    write_jsonl(str(data / "rlhf_dev.jsonl"), rl_rows(dev))
 
 
 def report(directory: str) -> str:

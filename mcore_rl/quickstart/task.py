@@ -49,15 +49,14 @@ def sft_rows(pairs: list[tuple[str, str]]) -> list[dict]:
 
 
 def preference_rows(pairs: list[tuple[str, str]]) -> list[dict]:
-    """Preference rows for `mcore-rl rm` and `mcore-rl dpo`: the answer is chosen over a wrong
-    digit that cycles through all nine, larger and smaller, in the question or not. (Always
-    rejecting the smallest digit taught the reward model "larger is better", and PPO on it
-    learned to answer 9: held-out accuracy fell from 47.5% to 34.5% while its reward rose.)"""
-    rows = []
-    for index, (prompt, answer) in enumerate(pairs):
-        wrong = [digit for digit in DIGITS if digit != answer]
-        rows.append({"prompt": prompt, "chosen": answer, "rejected": wrong[index % len(wrong)]})
-    return rows
+    """Preference rows for `mcore-rl rm` and `mcore-rl dpo`: each question's answer chosen over
+    every one of the nine wrong digits. A reward model that PPO maximises must rank the answer
+    above all of them, and one wrong digit per question does not teach that: such a model
+    ranked 87-97.5% of pairs right while its highest-scored answer was right on only
+    38.5-85% of held-out questions (docs/preference.md); always rejecting the smallest digit
+    taught it "larger is better"."""
+    return [{"prompt": prompt, "chosen": answer, "rejected": digit}
+            for prompt, answer in pairs for digit in DIGITS if digit != answer]
 
 
 def write_jsonl(path: str, rows: list[dict]) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from mcore_rl.algorithms.advantages import AdvantageInputs, compute_advantages
 from mcore_rl.algorithms.kl import KLController, apply_kl_penalty, kl_estimate
+from mcore_rl.algorithms.reward_shaping import RewardShaper
 from mcore_rl.config import AlgorithmConfig
 from mcore_rl.config.rl import RolloutConfig
 from mcore_rl.observability.step_metrics import SumsAndCounts
@@ -45,15 +46,32 @@ def make_experience(generation: Generation, scores: list[float], rollout: Rollou
     loss_mask = response_mask.clone()
     if rollout.overlong == "filter":
         loss_mask[truncated] = 0
+    batch.update(loss_mask=loss_mask, group_ids=torch.tensor([c.prompt_index
+                                                              for c in completions]),
+                 truncated=truncated)
+    _set_outcome_rewards(batch, scores)
+    return batch
+
+
+def _set_outcome_rewards(batch: dict, scores: torch.Tensor) -> None:
+    """batch["scores"] = scores [n], and token_rewards [n, s]: each score on its response's
+    last token (rows without a response get none)."""
+    response_mask = batch["response_mask"]
     token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
     last = batch["attention_mask"].sum(dim=1) - 1
-    has_response = lengths > 0
-    rows = torch.arange(len(completions))[has_response]
+    has_response = response_mask.sum(dim=1) > 0
+    rows = torch.arange(len(scores))[has_response]
     token_rewards[rows, last[has_response]] = scores[has_response]
-    batch.update(loss_mask=loss_mask, token_rewards=token_rewards, scores=scores,
-                 group_ids=torch.tensor([c.prompt_index for c in completions]),
-                 truncated=truncated)
-    return batch
+    batch.update(scores=scores, token_rewards=token_rewards)
+
+
+def shape_rewards(batch: dict, shaper: RewardShaper, dp_group, stats: SumsAndCounts) -> None:
+    """Replace the batch's scores by the rewards the policy is trained on (reward.shaping:
+    the missing-EOS penalty, centring, normalisation, clipping); their numbers go to stats."""
+    rewards, metrics = shaper(batch["scores"].double(), batch["truncated"], dp_group)
+    for name, value in metrics.items():  # identical on every rank
+        stats.add(name, torch.tensor([value]))
+    _set_outcome_rewards(batch, rewards.float())
 
 
 def mini_batches(batch: dict[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:

@@ -16,17 +16,21 @@ evaluator, the metrics logger and the training-state checkpointer.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import shutil
 import time
 
 import torch
 import torch.distributed as dist
 
 from mcore_rl.algorithms.kl import KLController
+from mcore_rl.algorithms.reward_shaping import RewardShaper
 from mcore_rl.config import JobConfig, to_yaml
 from mcore_rl.config.rollout import PromptConfig
 from mcore_rl.evaluation import Evaluator
+from mcore_rl.evaluation.model_selection import ModelSelection
 from mcore_rl.evaluation.reward_hacking import RewardHackingMonitor
 from mcore_rl.observability import METRICS_FILE, refuse_earlier_run
 from mcore_rl.observability.step_metrics import (MetricsLogger, PhaseTimer, SumsAndCounts,
@@ -45,7 +49,8 @@ from mcore_rl.training.offload import HostParking
 from .build import build_engine_and_roles, build_roles, build_rule_reward, settled_config
 from .data import load_training_data
 from .evaluator import RLEvaluator
-from .experience import add_advantages, add_forward_passes, make_experience, mini_batches
+from .experience import (add_advantages, add_forward_passes, make_experience, mini_batches,
+                         shape_rewards)
 from .generator import PolicyGenerator
 from .rollout_scheduler import RolloutScheduler
 from .split.remote_rollouts import RemoteRollouts
@@ -121,7 +126,9 @@ class Trainer:
         algorithm = config.algorithm
         self.kl_controller = KLController(algorithm.kl_coef, algorithm.kl_controller == "adaptive",
                                           algorithm.target_kl, algorithm.kl_horizon)
+        self.reward_shaper = RewardShaper(config.reward.shaping)
         self.hacking_monitor = RewardHackingMonitor(config.trainer.reward_hacking)
+        self.selection = ModelSelection(config.trainer.selection)
         self.step = 0
         self.bad_steps = 0
         self.logger = MetricsLogger.for_job(config)
@@ -143,6 +150,7 @@ class Trainer:
         rollout = self.scheduler.next(self.step, timer, stats, prompts)
         batch = make_experience(rollout.generation, rollout.scores, self.config.rollout,
                                 self.data.pad_id)
+        shape_rewards(batch, self.reward_shaper, self.dp_group, stats)
         if self.config.algorithm.estimator == "remax":
             with timer("generate_baseline"):
                 baselines = self.scheduler.greedy_scores(rollout, self.step)
@@ -207,7 +215,7 @@ class Trainer:
         if self._due(self.config.trainer.save_every):
             self.save()
         if self._due(self.config.trainer.export_hf_every):
-            self.export_hf()
+            print0(f"step {self.step}: exported the actor to {self.export_hf()}")
         return metrics
 
     def fit(self) -> list[dict]:
@@ -219,12 +227,14 @@ class Trainer:
         if self.config.trainer.eval_every and self.step == 0:
             self._evaluate_and_log()
         with progress(total=total_steps, initial=self.step, desc="train", unit="step") as bar:
-            while self.step < total_steps:
+            while self.step < total_steps and not self.selection.stopped:
                 history.append(self.train_step())
                 bar.update(1)
                 if self.preemption.raised_anywhere():
                     self._save_for_requeue()
                     break
+                if self.selection.stopped and self.step < total_steps:
+                    self._stop_early()
         if self.config.trainer.plots and dist.get_rank() == 0:
             from mcore_rl.observability import plot_run
             paths = plot_run(self.config.runtime.output_dir)
@@ -237,8 +247,8 @@ class Trainer:
 
     def _evaluate_and_log(self, step_metrics: dict | None = None) -> None:
         """Evaluate, check for signs of reward hacking (warned of on the console, logged as
-        warnings/*) and log the row; `step_metrics`: the step's, whose KL to the reference
-        stands in when the evaluation has none."""
+        warnings/*), log the row and keep the policy if it is the best so far; `step_metrics`:
+        the step's, whose KL to the reference stands in when the evaluation has none."""
         metrics = self.evaluate()
         warnings, message = self.hacking_monitor.check(
             metrics, (step_metrics or {}).get("actor/kl_to_reference"))
@@ -246,21 +256,22 @@ class Trainer:
         if message:
             print0(f"WARNING step {self.step}: {message}")
         self.logger.log(self.step, metrics, "eval")
+        self._keep_if_best(metrics)
 
     def register_evaluator(self, evaluator: Evaluator) -> None:
         """Run `evaluator.evaluate(trainer, samples)` at every evaluation (on every rank, with
         the samples of all ranks); its metrics are logged with an 'eval/' prefix."""
         self.evaluator.evaluators.append(evaluator)
 
-    def export_hf(self) -> str:
-        """The actor as an HF folder output_dir/hf/step_<N> (collective)."""
+    def export_hf(self, out_dir: str | None = None) -> str:
+        """The actor as an HF folder, by default output_dir/hf/step_<N> (collective)."""
         from mcore_rl.conversion.export import export_actor_to_hf
         from mcore_rl.models.weights import local_parameters
 
-        out_dir = os.path.join(self.config.runtime.output_dir, "hf", f"step_{self.step:08d}")
+        out_dir = out_dir or os.path.join(self.config.runtime.output_dir, "hf",
+                                          f"step_{self.step:08d}")
         export_actor_to_hf(self.config, local_parameters(self.roles.actor.module),
                            self.data.tokenizer, out_dir)
-        print0(f"step {self.step}: exported the actor to {out_dir}")
         return out_dir
 
     # -- pieces of the step ------------------------------------------------------------------
@@ -286,9 +297,37 @@ class Trainer:
 
     def _due(self, every: int) -> bool:
         """Whether something done every `every` steps and after the last (0: never) is due
-        (was done) after the current step: evaluations, saves, HF exports."""
-        return bool(every) and (self.step % every == 0
+        (was done) after the current step: evaluations, saves, HF exports. The last step is
+        trainer.total_steps, or the one whose evaluation stopped the run early."""
+        return bool(every) and (self.step % every == 0 or self.selection.stopped
                                 or self.step == self.config.trainer.total_steps)
+
+    def _best_dir(self) -> str:
+        """Where the best evaluated policy so far is kept (trainer.selection)."""
+        return os.path.join(self.config.runtime.output_dir, "hf", "best")
+
+    def _keep_if_best(self, metrics: dict) -> None:
+        """Export the actor to output_dir/hf/best (and its step and value to hf/best.json) when
+        this evaluation is the best so far by trainer.selection.metric (collective)."""
+        if not self.selection.observe(self.step, metrics).improved:
+            return
+        best = self._best_dir()
+        self.export_hf(best + ".incoming")
+        if dist.get_rank() == 0:
+            _replace_folder(best + ".incoming", best)
+            _write_atomically(best + ".json",
+                              json.dumps(self.selection.summary(), indent=1) + "\n")
+        dist.barrier()
+        print0(f"step {self.step}: best {self.selection.config.metric} so far "
+               f"({self.selection.best_value:.4g}): the actor is kept in {best}")
+
+    def _stop_early(self) -> None:
+        """Say why the run ends here (train_step saved and exported it as the last step: a
+        rerun resumes into the stopped state and ends)."""
+        selection = self.selection
+        print0(f"step {self.step}: stopping early: {selection.config.metric} has not improved "
+               f"for {selection.config.patience} evaluations (best {selection.best_value:.4g} "
+               f"at step {selection.best_step}, kept in {self._best_dir()})")
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -309,7 +348,9 @@ class Trainer:
         """Checkpoint everything a bitwise resume needs (collective)."""
         state = {"sampler": self.data.sampler.state_dict(),
                  "kl_controller": self.kl_controller.state_dict(), "bad_steps": self.bad_steps,
-                 "reward_hacking": self.hacking_monitor.state_dict()}
+                 "reward_hacking": self.hacking_monitor.state_dict(),
+                 "reward_shaping": self.reward_shaper.state_dict(),
+                 "selection": self.selection.state_dict()}
         return checkpointer.save_training_state(
             self.checkpoint_dir, self.step, self._trained_models(), state, to_yaml(self.config),
             self.config.trainer.keep_last, rank_state=self.scheduler.state_dict())
@@ -323,8 +364,11 @@ class Trainer:
         self.data.sampler.load_state_dict(state["sampler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.bad_steps = state["bad_steps"]
-        if "reward_hacking" in state:  # not in checkpoints from before the monitor
-            self.hacking_monitor.load_state_dict(state["reward_hacking"])
+        for name, component in (("reward_hacking", self.hacking_monitor),
+                                ("reward_shaping", self.reward_shaper),
+                                ("selection", self.selection)):
+            if name in state:  # not in checkpoints from before the component
+                component.load_state_dict(state[name])
         self.scheduler.load_state_dict(state["rank_state"])
         print0(f"resumed from step {self.step} ({self.checkpoint_dir})")
 
@@ -367,6 +411,16 @@ def _same_run(config: JobConfig) -> bool:
         return False
     with open(path) as handle:
         return handle.read() == to_yaml(config)
+
+
+def _replace_folder(source: str, target: str) -> None:
+    """Move `source` to `target`, replacing it; `target` is never missing while the old one
+    is still there to keep (a `.old` left by a killed run is removed first)."""
+    shutil.rmtree(target + ".old", ignore_errors=True)
+    if os.path.exists(target):
+        os.replace(target, target + ".old")
+    os.replace(source, target)
+    shutil.rmtree(target + ".old", ignore_errors=True)
 
 
 def _write_atomically(path: str, text: str) -> None:
