@@ -1,7 +1,8 @@
 """Tiny random HF checkpoints of every supported architecture, written to disk for conversion
 tests (no downloads). Vocabulary 251 is not divisible by any TP size; KV heads fewer than TP,
 tied and untied embeddings, QKV bias, QK-norm, Llama-3 RoPE and head_dim != hidden/heads all
-appear."""
+appear, and the three Mixture-of-Experts architectures (4 experts, top-2; a dense first layer,
+renormalised and plain top-k, a gated shared expert)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ CASES = {
               dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
     "mistral": (transformers.MistralConfig, "MistralForCausalLM",
                 dict(num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, "Qwen3MoeForCausalLM",
+                  dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0])),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, "Qwen2MoeForCausalLM",
+                  dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       norm_topk_prob=False)),
+    "mixtral": (transformers.MixtralConfig, "MixtralForCausalLM",
+                dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=None)),
 }
 
 

@@ -276,8 +276,9 @@ def with_fields(case: str, **fields) -> dict:
 
 
 def test_unsupported_architecture_lists_supported_ones():
-    for config in ({"architectures": ["Qwen3MoeForCausalLM"]}, {}):
-        with pytest.raises(ValueError, match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2"):
+    for config in ({"architectures": ["DeepseekV3ForCausalLM"]}, {}):
+        with pytest.raises(ValueError, match="LlamaForCausalLM.*MistralForCausalLM.*"
+                                             "MixtralForCausalLM.*Qwen2"):
             architecture_for(config)
 
 

@@ -223,6 +223,12 @@ def test_rl_config_rules_name_the_fields():
                                           "estimator=remax"):
         validate_rl(load_config(None, ["algorithm.estimator=remax",
                                        "reward.shaping.center=true"]), 1)
+    with pytest.raises(ConfigError, match="model.moe.num_experts=4: Mixture-of-Experts models "
+                                          "convert both ways"):
+        validate_rl(load_config(None, ["model.moe.num_experts=4"]), 1)
+    with pytest.raises(ConfigError, match=r"model.moe.router_topk=5 must be in \[1, "
+                                          r"model.moe.num_experts=4\]"):
+        validate_rl(load_config(None, ["model.moe.num_experts=4", "model.moe.router_topk=5"]), 1)
     with pytest.raises(ConfigError, match="trainer.selection.metric='eval/accuracy' needs "
                                           "trainer.eval_every > 0"):
         validate_rl(load_config(None, ["trainer.selection.metric=eval/accuracy",

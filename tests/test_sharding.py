@@ -414,6 +414,42 @@ def test_split_merge_round_trip_every_param(nq, nkv, tp, tied):
         assert merged.dtype == full.dtype and torch.equal(merged, full), name
 
 
+def test_moe_layers_names_kinds_and_shards():
+    """An MoE model with a dense first layer (Qwen-MoE's mlp_only_layers) and a gated shared
+    expert: the MoE layer's MLP names in Megatron's named_parameters order (router, experts by
+    index, shared expert with its gate first), their kinds, and every expert tensor split at
+    TP2 so that each rank holds its gate and up rows and its down columns."""
+    import dataclasses
+
+    from mcore_rl.config.model import MoEConfig
+
+    moe = MoEConfig(num_experts=3, ffn_hidden_size=6, dense_layers=(0,),
+                    shared_expert_ffn_hidden_size=8, shared_expert_gate=True)
+    model = dataclasses.replace(make_model(layers=2), moe=moe)
+    names = sh.canonical_param_shapes(model)
+    dense = [n for n in names if n.startswith("decoder.layers.0.mlp.")]
+    assert dense == ["decoder.layers.0.mlp.linear_fc1.weight",
+                     "decoder.layers.0.mlp.linear_fc2.weight"]
+    p = "decoder.layers.1.mlp."
+    expected = [(p + "router.weight", (3, HIDDEN), ShardKind.REPLICATED)]
+    for e in range(3):
+        expected += [(p + f"experts.local_experts.{e}.linear_fc1.weight", (12, HIDDEN),
+                      ShardKind.GATE_UP),
+                     (p + f"experts.local_experts.{e}.linear_fc2.weight", (HIDDEN, 6),
+                      ShardKind.ROW)]
+    expected += [(p + "shared_experts.gate_weight", (1, HIDDEN), ShardKind.REPLICATED),
+                 (p + "shared_experts.linear_fc1.weight", (16, HIDDEN), ShardKind.GATE_UP),
+                 (p + "shared_experts.linear_fc2.weight", (HIDDEN, 8), ShardKind.ROW)]
+    assert [(n, names[n], sh.shard_kind(n)) for n in names if n.startswith(p)] == expected
+    full = random_full_state(model)[p + "experts.local_experts.2.linear_fc1.weight"]
+    gate, up = full[:6], full[6:]
+    for rank in range(2):
+        shard = sh.split_for_tp(p + "experts.local_experts.2.linear_fc1.weight", full, model, 2,
+                                rank)
+        assert torch.equal(shard, torch.cat([gate[3 * rank:3 * rank + 3],
+                                             up[3 * rank:3 * rank + 3]]))
+
+
 # ---------------------------------------------------------------------------------------------
 # Pipeline layout
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfig, RopeScalingConfig
+from ..config import ModelConfig, MoEConfig, RopeScalingConfig
 from ..param_layout import sharding
 from ..runtime.process_guard import helper_processes_guarded
 from .sharded_weights import sharded_state_dict, stored_vocab_rows
@@ -73,6 +73,9 @@ def model_config_from_dict(values: dict) -> ModelConfig:
     values = dict(values)
     if values.get("rope_scaling") is not None:
         values["rope_scaling"] = RopeScalingConfig(**values["rope_scaling"])
+    if "moe" in values:  # checkpoints from before MoE have none: dense
+        moe = dict(values["moe"])
+        values["moe"] = MoEConfig(**{**moe, "dense_layers": tuple(moe["dense_layers"])})
     return ModelConfig(**values)
 
 

@@ -148,6 +148,10 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
         errors.append(f"smoke.steps={config.smoke.steps} must be >= 1")
     if config.trainer.console_every < 1:
         errors.append(f"trainer.console_every={config.trainer.console_every} must be >= 1")
+    if config.model.moe.enabled:
+        errors.append(f"model.moe.num_experts={config.model.moe.num_experts}: Mixture-of-Experts "
+                      "models convert both ways (mcore-rl convert) and run forward at any "
+                      "TP x PP, but jobs that train them are not built yet")
     if errors:
         raise ConfigError("invalid configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))

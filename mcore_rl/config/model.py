@@ -1,7 +1,8 @@
 """The architecture of a Llama-family decoder, independent of how it is parallelised.
 
 One `ModelConfig` describes Llama 2/3, SmolLM2, Mistral (no sliding window), Qwen2 (QKV bias) and
-Qwen3 (QK-norm). It is the single source for three consumers that must agree exactly: the
+Qwen3 (QK-norm), and with `moe` their Mixture-of-Experts siblings (Qwen3-MoE, Qwen2-MoE,
+Mixtral: MLPs replaced by routed SwiGLU experts, optionally beside an always-on shared expert). It is the single source for three consumers that must agree exactly: the
 Megatron-Core `TransformerConfig` (models/), the sharding rules (parallel/sharding.py) and the
 HF conversion. Numbers that follow from the fields (head_dim, padded vocab) are properties, so a
 config can never hold two values that disagree.
@@ -9,7 +10,7 @@ config can never hold two values that disagree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -28,6 +29,98 @@ class RopeScalingConfig:
 
     original_max_position_embeddings: int = 8192
     """Context length the model was pre-trained with before scaling."""
+
+
+ROUTER_DTYPES = ("model", "fp32", "fp64")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-Experts MLPs: each token's MLP output is the weighted sum of `router_topk` of
+    `num_experts` SwiGLU experts, chosen by a linear router (softmax over all experts, then the
+    top k, as transformers' Qwen-MoE and Mixtral route)."""
+
+    num_experts: int = 0
+    """Routed experts in each MoE layer; 0: a dense model (no MoE layers)."""
+
+    ffn_hidden_size: Optional[int] = None
+    """Width of each expert's gate and up projections; None: model.ffn_hidden_size."""
+
+    router_topk: int = 2
+    """Experts each token is sent to."""
+
+    normalize_topk: bool = True
+    """Renormalise the top-k routing probabilities to sum to 1 (HF norm_topk_prob; Mixtral
+    always); false keeps each expert's probability of the softmax over all experts."""
+
+    dense_layers: tuple[int, ...] = ()
+    """Layers (global indices) with a dense MLP of model.ffn_hidden_size instead of experts
+    (Qwen-MoE's mlp_only_layers and decoder_sparse_step)."""
+
+    shared_expert_ffn_hidden_size: int = 0
+    """Width of an always-on shared expert beside the routed ones (Qwen2-MoE); 0: none."""
+
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . w) per token (Qwen2-MoE)."""
+
+    aux_loss_coeff: float = 0.0
+    """Load-balancing (auxiliary) loss coefficient per MoE layer (Switch/GShard style, Megatron's
+    aux_loss); 0: no load-balancing loss (the usual choice for RL)."""
+
+    z_loss_coeff: float = 0.0
+    """Router z-loss coefficient (ST-MoE); 0: none."""
+
+    router_dtype: str = "model"
+    """Precision of the router's logits and probabilities: model (as transformers' Qwen-MoE
+    computes them: logits in the model's dtype, softmax in fp32), fp32 or fp64."""
+
+    freeze_router: bool = False
+    """Leave the router weights untrained (NeMo-RL's default for GRPO on MoE models)."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model has MoE layers at all."""
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` routes to experts."""
+        return self.enabled and layer not in self.dense_layers
+
+    def expert_ffn(self, model_ffn_hidden_size: int) -> int:
+        """The experts' FFN width, with None resolved."""
+        return self.ffn_hidden_size or model_ffn_hidden_size
+
+    def errors(self, num_layers: int, tensor_parallel: int) -> list[str]:
+        """Broken rules, each naming its field (empty when valid or dense)."""
+        if not self.enabled:
+            return [] if self.num_experts == 0 else [
+                f"model.moe.num_experts={self.num_experts} must be >= 0"]
+        errors = []
+        if not 1 <= self.router_topk <= self.num_experts:
+            errors.append(f"model.moe.router_topk={self.router_topk} must be in [1, "
+                          f"model.moe.num_experts={self.num_experts}]")
+        if self.router_topk == 1 and self.normalize_topk:
+            errors.append("model.moe.router_topk=1 with normalize_topk=true gives every token "
+                          "weight 1.0, which Megatron's router refuses; set normalize_topk=false")
+        outside = [layer for layer in self.dense_layers if not 0 <= layer < num_layers]
+        if outside:
+            errors.append(f"model.moe.dense_layers={list(self.dense_layers)} names layers outside "
+                          f"[0, model.num_layers={num_layers})")
+        for name in ("ffn_hidden_size", "shared_expert_ffn_hidden_size"):
+            width = getattr(self, name) or 0
+            if width < 0 or width % tensor_parallel:
+                errors.append(f"model.moe.{name}={width} must be >= 0 and divisible by "
+                              f"tensor_model_parallel_size={tensor_parallel}")
+        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
+            errors.append("model.moe.shared_expert_gate=true needs "
+                          "model.moe.shared_expert_ffn_hidden_size > 0")
+        if self.router_dtype not in ROUTER_DTYPES:
+            errors.append(f"model.moe.router_dtype={self.router_dtype!r} must be one of "
+                          f"{ROUTER_DTYPES}")
+        if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
+            errors.append(f"model.moe.aux_loss_coeff={self.aux_loss_coeff} and z_loss_coeff="
+                          f"{self.z_loss_coeff} must be >= 0")
+        return errors
 
 
 @dataclass(frozen=True)
@@ -78,6 +171,9 @@ class ModelConfig:
 
     qk_norm: bool = False
     """RMSNorm each query and key head before RoPE (Qwen3)."""
+
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-Experts MLPs (off unless moe.num_experts > 0)."""
 
     @property
     def kv_heads(self) -> int:
@@ -136,4 +232,4 @@ class ModelConfig:
                           f"pipeline_model_parallel_size={pipeline_parallel}")
         if self.kv_channels % 2:
             errors.append(f"head_dim={self.kv_channels} must be even for rotary embeddings")
-        return errors
+        return errors + self.moe.errors(self.num_layers, tensor_parallel)

@@ -12,7 +12,7 @@ import torch
 
 from ..config import ModelConfig, ParallelConfig
 from .heads import ScalarHead
-from .layer_spec import llama_layer_spec
+from .layer_spec import decoder_spec
 from .rope import llama3_scaled_frequencies, rope_inverse_frequencies
 from .transformer_config import megatron_transformer_config
 
@@ -38,7 +38,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
     post_process = parallel_state.is_pipeline_last_stage()
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=llama_layer_spec(model.qk_norm),
+        transformer_layer_spec=decoder_spec(config, model.qk_norm, model.moe.enabled),
         vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -55,6 +55,10 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
         gpt.output_layer = ScalarHead(model.hidden_size, config.params_dtype,
                                       parallel.sequence_parallel, device)
     _cast_parameters(gpt, config.params_dtype)
+    if model.moe.freeze_router:
+        for name, parameter in gpt.named_parameters():
+            if name.endswith("mlp.router.weight"):
+                parameter.requires_grad_(False)
     if device is not None:
         gpt.to(device)
     return gpt

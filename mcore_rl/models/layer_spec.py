@@ -1,6 +1,7 @@
 """Transformer-layer spec: Transformer Engine's fused modules when TE imports, Megatron's local
 modules otherwise (with PyTorch's fused attention, models/attention.py). Parameter names differ
-only in the fused norms (see parallel/sharding.py)."""
+only in the fused norms (see param_layout/sharding.py). MoE models take a block spec
+(models/moe.py)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,18 @@ def llama_layer_spec(qk_norm: bool, use_transformer_engine: bool | None = None):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     return spec
+
+
+def decoder_spec(config, qk_norm: bool, moe: bool):
+    """What GPTModel takes as its transformer_layer_spec: one layer spec for a dense model, the
+    block spec (dense and MoE layers, models/moe.py) for a Mixture-of-Experts model."""
+    if not moe:
+        return llama_layer_spec(qk_norm)
+    from .moe import moe_block_spec
+
+    use_transformer_engine = transformer_engine_available()
+    if use_transformer_engine:
+        return moe_block_spec(config, True)
+    from .attention import SdpaAttention
+
+    return moe_block_spec(config, False, SdpaAttention)

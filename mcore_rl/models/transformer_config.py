@@ -63,10 +63,42 @@ def megatron_transformer_config(model: ModelConfig, parallel: ParallelConfig,
         calculate_per_token_loss=True,
         variable_seq_lengths=False,
     )
+    if model.moe.enabled:
+        fields.update(moe_fields(model, parallel))
     if not random_init:
         fields.update(init_method=_left_for_the_load, output_layer_init_method=_left_for_the_load)
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+def moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
+    """TransformerConfig fields of the MoE layers. Routing equals transformers': softmax over all
+    experts then top-k, renormalised (Megatron's pre_softmax=False: softmax over the top-k
+    logits, the same numbers) or not (pre_softmax=True: softmax first, no renormalisation).
+    Which layers are MoE is an explicit 0/1 list (HF's rule is not Megatron's moe_layer_freq
+    integer rule). Grouped GEMM and permute fusion need Transformer Engine / grouped_gemm and
+    are left to the GPU path."""
+    moe = model.moe
+    shared = moe.shared_expert_ffn_hidden_size
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.expert_ffn(model.ffn_hidden_size),
+        moe_router_topk=moe.router_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.normalize_topk,
+        moe_router_topk_scaling_factor=None,
+        moe_router_dtype=None if moe.router_dtype == "model" else moe.router_dtype,
+        moe_layer_freq=[int(moe.is_moe_layer(layer)) for layer in range(model.num_layers)],
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+    )
 
 
 def _left_for_the_load(weight: torch.Tensor) -> None:

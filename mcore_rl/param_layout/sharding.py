@@ -29,6 +29,19 @@ With nq query heads, nkv KV heads, head width d, hidden H, FFN width F, vocab V:
     decoder.final_layernorm.weight                        [H]                REPLICATED
     output_layer.weight                                   [V, H]             VOCAB (untied only)
 
+A Mixture-of-Experts layer (model.moe; E experts of FFN width Fe, shared expert width Fs) has,
+in place of the two ``mlp.linear_fc*`` tensors::
+
+    decoder.layers.{i}.mlp.router.weight                                 [E, H]    REPLICATED
+    decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight   [2*Fe, H] GATE_UP
+    decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight   [H, Fe]   ROW
+    decoder.layers.{i}.mlp.shared_experts.gate_weight                    [1, H]    REPLICATED (gate)
+    decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight              [2*Fs, H] GATE_UP (Fs > 0)
+    decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight              [H, Fs]   ROW     (Fs > 0)
+
+with the GLOBAL expert index e (expert parallelism, like pipeline stages, numbers them locally).
+Experts are split across tensor-parallel ranks like the dense MLP (expert TP = TP).
+
 Transformer-Engine spec names are accepted everywhere and mapped to these: TE fuses the norms into
 the following linear, so ``...self_attention.linear_qkv.layer_norm_weight`` is
 ``...input_layernorm.weight`` and ``...mlp.linear_fc1.layer_norm_weight`` is
@@ -103,6 +116,9 @@ class ShardKind(str, Enum):
 # --------------------------------------------------------------------------------------------
 
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_INDEX = re.compile(r"^mlp\.experts\.local_experts\.\d+\.")
+EXPERT_PREFIX = "mlp.experts.local_experts.{e}."
+"""Per-layer name prefix of expert e's tensors (after ``decoder.layers.{i}.``)."""
 
 _TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -141,7 +157,30 @@ _LAYER_RULES: dict[str, _ParamRule] = {
     "mlp.linear_fc2.weight": _ParamRule(
         ShardKind.ROW, lambda m: (m.hidden_size, m.ffn_hidden_size)),
 }
-"""Per-layer parameters, keyed by the name after ``decoder.layers.{i}.``."""
+"""Per-layer parameters of a dense layer, keyed by the name after ``decoder.layers.{i}.``."""
+
+_ATTENTION_SUFFIXES = tuple(suffix for suffix in _LAYER_RULES if not suffix.startswith("mlp."))
+
+
+def _expert_ffn(m: ModelConfig) -> int:
+    return m.moe.expert_ffn(m.ffn_hidden_size)
+
+
+_MOE_RULES: dict[str, _ParamRule] = {
+    "mlp.router.weight": _ParamRule(
+        ShardKind.REPLICATED, lambda m: (m.moe.num_experts, m.hidden_size)),
+    EXPERT_PREFIX + "linear_fc1.weight": _ParamRule(
+        ShardKind.GATE_UP, lambda m: (2 * _expert_ffn(m), m.hidden_size)),
+    EXPERT_PREFIX + "linear_fc2.weight": _ParamRule(
+        ShardKind.ROW, lambda m: (m.hidden_size, _expert_ffn(m))),
+    "mlp.shared_experts.gate_weight": _ParamRule(
+        ShardKind.REPLICATED, lambda m: (1, m.hidden_size)),
+    "mlp.shared_experts.linear_fc1.weight": _ParamRule(
+        ShardKind.GATE_UP, lambda m: (2 * m.moe.shared_expert_ffn_hidden_size, m.hidden_size)),
+    "mlp.shared_experts.linear_fc2.weight": _ParamRule(
+        ShardKind.ROW, lambda m: (m.hidden_size, m.moe.shared_expert_ffn_hidden_size)),
+}
+"""Per-layer parameters of an MoE layer's MLP (expert names with ``{e}`` for the index)."""
 
 _GLOBAL_RULES: dict[str, _ParamRule] = {
     "embedding.word_embeddings.weight": _ParamRule(
@@ -187,7 +226,11 @@ def _rule(name: str) -> _ParamRule:
     """The rule for a (local or global, local-spec or TE) parameter name; ValueError if unknown."""
     name = canonical_name(name)
     match = _LAYER_PREFIX.match(name)
-    rule = _LAYER_RULES.get(match.group(2)) if match else _GLOBAL_RULES.get(name)
+    if match:
+        suffix = _EXPERT_INDEX.sub(EXPERT_PREFIX, match.group(2))
+        rule = _LAYER_RULES.get(suffix) or _MOE_RULES.get(suffix)
+    else:
+        rule = _GLOBAL_RULES.get(name)
     if rule is None:
         raise ValueError(f"unknown parameter {name!r}: no sharding rule for it")
     return rule
@@ -223,11 +266,7 @@ def canonical_param_shapes(model: ModelConfig, head: str = "lm") -> dict[str, tu
         raise ValueError(f"head={head!r} must be one of {HEADS}")
     shapes = {EMBEDDING: full_shape(EMBEDDING, model)}
     for layer in range(model.num_layers):
-        for suffix in _LAYER_RULES:
-            if suffix.endswith("linear_qkv.bias") and not model.qkv_bias:
-                continue
-            if suffix.endswith(("q_layernorm.weight", "k_layernorm.weight")) and not model.qk_norm:
-                continue
+        for suffix in _layer_suffixes(model, layer):
             name = f"decoder.layers.{layer}.{suffix}"
             shapes[name] = full_shape(name, model)
     shapes[FINAL_NORM] = full_shape(FINAL_NORM, model)
@@ -236,6 +275,28 @@ def canonical_param_shapes(model: ModelConfig, head: str = "lm") -> dict[str, tu
     elif not model.tie_embeddings:
         shapes[OUTPUT_LAYER] = full_shape(OUTPUT_LAYER, model)
     return shapes
+
+
+def _layer_suffixes(model: ModelConfig, layer: int) -> list[str]:
+    """The parameter names of global layer `layer` after ``decoder.layers.{i}.``, in Megatron's
+    named_parameters order: attention, then the dense MLP or the MoE MLP (router, experts in
+    index order, shared expert with its gate first)."""
+    suffixes = [suffix for suffix in _ATTENTION_SUFFIXES
+                if (model.qkv_bias or not suffix.endswith("linear_qkv.bias"))
+                and (model.qk_norm or not suffix.endswith(("q_layernorm.weight",
+                                                            "k_layernorm.weight")))]
+    moe = model.moe
+    if not moe.is_moe_layer(layer):
+        return suffixes + ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    suffixes.append("mlp.router.weight")
+    for expert in range(moe.num_experts):
+        prefix = EXPERT_PREFIX.format(e=expert)
+        suffixes += [prefix + "linear_fc1.weight", prefix + "linear_fc2.weight"]
+    if moe.shared_expert_ffn_hidden_size:
+        if moe.shared_expert_gate:
+            suffixes.append("mlp.shared_experts.gate_weight")
+        suffixes += ["mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"]
+    return suffixes
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The HF architectures we convert, by the class name config.json lists in `architectures`.
 
-Every supported architecture is a Llama-family decoder (llama_family.py holds the mapping); the
-per-architecture modules state only defaults, switches and refusals.
+Every supported architecture is a Llama-family decoder (llama_family.py holds the mapping), dense
+or with Mixture-of-Experts MLPs; the per-architecture modules state only defaults, switches,
+MoE layout and refusals.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from typing import Any, Mapping
 from .llama import LLAMA
 from .llama_family import Architecture
 from .mistral import MISTRAL
+from .mixtral import MIXTRAL
 from .qwen2 import QWEN2
+from .qwen2_moe import QWEN2_MOE
 from .qwen3 import QWEN3
+from .qwen3_moe import QWEN3_MOE
 
 ARCHITECTURES: dict[str, Architecture] = {
-    arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, MISTRAL)}
+    arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, MISTRAL, QWEN3_MOE, QWEN2_MOE, MIXTRAL)}
 """Supported architectures by HF class name."""
 
 

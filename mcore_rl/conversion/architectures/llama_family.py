@@ -14,7 +14,9 @@ What is mapped
 --------------
 config.json (a plain dict) <-> `ModelConfig`, and HF tensors <-> the canonical full layout of
 `mcore_rl.param_layout.sharding` (Megatron names, TP=1, PP=1, global layer indices, unpadded vocab).
-Only three canonical tensors are not a plain rename:
+Mixture-of-Experts members (Qwen3-MoE, Qwen2-MoE, Mixtral; `HfMoeLayout`) name their router
+and per-expert projections differently; each expert's gate and up projections fuse into its
+``linear_fc1`` like the dense MLP's. Only three canonical tensors are not a plain rename:
 
 * ``linear_qkv`` (weight and Qwen2 bias): for each KV group g, [the q heads of group g, k head g,
   v head g], each head ``head_dim`` rows, exactly the rows Megatron's forward splits per group.
@@ -36,7 +38,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from mcore_rl.config.model import ModelConfig, RopeScalingConfig
+from mcore_rl.config.model import ModelConfig, MoEConfig, RopeScalingConfig
 from mcore_rl.param_layout import sharding
 from mcore_rl.param_layout.sharding import ShardKind
 
@@ -141,7 +143,50 @@ _GLOBAL_SOURCES: dict[str, tuple[str, ...]] = {
 }
 """Canonical names outside the layers -> HF names."""
 
+@dataclass(frozen=True)
+class HfMoeLayout:
+    """Where an HF Mixture-of-Experts architecture keeps its MoE tensors and config fields."""
+
+    block: str = "mlp"
+    """The MoE module under ``model.layers.{i}.`` (Mixtral: block_sparse_moe)."""
+
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """Each expert's gate, up and down projection names (Mixtral: w1, w3, w2)."""
+
+    num_experts_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
+    """config.json keys of the expert count; the first present wins, the first is written."""
+
+    expert_ffn_key: str = "moe_intermediate_size"
+    """config.json key of the experts' FFN width (Mixtral: intermediate_size)."""
+
+    normalize_key: Optional[str] = "norm_topk_prob"
+    """config.json key of the top-k renormalisation; None: always renormalised (Mixtral)."""
+
+    sparse_step_keys: bool = True
+    """Dense layers come from decoder_sparse_step and mlp_only_layers (Qwen-MoE)."""
+
+    shared_expert: bool = False
+    """An always-on shared expert with a sigmoid gate (Qwen2-MoE)."""
+
+    def layer_sources(self, suffix: str) -> Optional[tuple[str, ...]]:
+        """The HF suffixes (after ``model.layers.{i}.``) of canonical MoE suffix `suffix`, or
+        None when it is not an MoE tensor."""
+        gate, up, down = self.projections
+        expert = _CANONICAL_EXPERT.match(suffix)
+        if expert:
+            index, linear = expert.groups()
+            names = (gate, up) if linear == "linear_fc1" else (down,)
+            return tuple(f"{self.block}.experts.{index}.{name}.weight" for name in names)
+        return {"mlp.router.weight": (f"{self.block}.gate.weight",),
+                "mlp.shared_experts.gate_weight": ("mlp.shared_expert_gate.weight",),
+                "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_expert.gate_proj.weight",
+                                                         "mlp.shared_expert.up_proj.weight"),
+                "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_expert.down_proj.weight",),
+                }.get(suffix)
+
+
 _CANONICAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_CANONICAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _HF_ROTARY_BUFFER = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
 
@@ -161,12 +206,13 @@ def _canonical_shape(name: str, model: ModelConfig) -> tuple:
     return shapes[name]
 
 
-def _hf_sources(name: str) -> tuple[str, ...]:
+def _hf_sources(name: str, moe: Optional[HfMoeLayout] = None) -> tuple[str, ...]:
     """The HF tensor names that make up canonical tensor `name`, in fusion order."""
     match = _CANONICAL_LAYER.match(name)
     if match:
         layer, suffix = match.groups()
-        return tuple(f"model.layers.{layer}.{hf}" for hf in _LAYER_SOURCES[suffix])
+        sources = (moe and moe.layer_sources(suffix)) or _LAYER_SOURCES[suffix]
+        return tuple(f"model.layers.{layer}.{hf}" for hf in sources)
     return _GLOBAL_SOURCES[name]
 
 
@@ -179,7 +225,7 @@ def _hf_shapes(name: str, model: ModelConfig) -> tuple[tuple, ...]:
         q_rows, kv_rows = model.num_attention_heads * head_dim, model.kv_heads * head_dim
         return (q_rows, *rest), (kv_rows, *rest), (kv_rows, *rest)
     if kind is ShardKind.GATE_UP:
-        return ((model.ffn_hidden_size, *rest),) * 2
+        return ((shape[0] // 2, *rest),) * 2
     return (shape,)
 
 
@@ -247,6 +293,9 @@ class Architecture:
     qk_norm: bool = False
     """Queries and keys are RMS-normalised per head before RoPE (Qwen3)."""
 
+    moe: Optional[HfMoeLayout] = None
+    """The Mixture-of-Experts layout (None: a dense architecture)."""
+
     tokenizer_files: tuple[str, ...] = TOKENIZER_FILES
     """Files next to the weights that travel with a checkpoint unchanged."""
 
@@ -299,7 +348,33 @@ class Architecture:
             tie_embeddings=bool(resolved.get("tie_word_embeddings", False)),
             qkv_bias=self.qkv_bias,
             qk_norm=self.qk_norm,
+            moe=self._moe_from_resolved(resolved),
         )
+
+    def _moe_from_resolved(self, resolved: Mapping[str, Any]) -> MoEConfig:
+        """The MoE config of a resolved config.json (dense architectures: none). A layer is MoE
+        unless listed in mlp_only_layers or off the decoder_sparse_step grid (transformers'
+        rule: (layer + 1) % step == 0)."""
+        layout = self.moe
+        if layout is None:
+            return MoEConfig()
+        experts = next(int(resolved[key]) for key in layout.num_experts_keys if key in resolved)
+        dense: tuple[int, ...] = ()
+        if layout.sparse_step_keys:
+            step = int(resolved.get("decoder_sparse_step") or 1)
+            only_mlp = set(resolved.get("mlp_only_layers") or ())
+            dense = tuple(layer for layer in range(int(resolved["num_hidden_layers"]))
+                          if layer in only_mlp or (layer + 1) % step)
+        return MoEConfig(
+            num_experts=experts,
+            ffn_hidden_size=int(resolved[layout.expert_ffn_key]),
+            router_topk=int(resolved["num_experts_per_tok"]),
+            normalize_topk=(bool(resolved.get(layout.normalize_key))
+                            if layout.normalize_key else True),
+            dense_layers=dense,
+            shared_expert_ffn_hidden_size=(int(resolved["shared_expert_intermediate_size"])
+                                           if layout.shared_expert else 0),
+            shared_expert_gate=layout.shared_expert)
 
     def hf_config(self, model: ModelConfig, base: Optional[Mapping[str, Any]] = None) -> dict:
         """config.json for `model`: `base` (the original HF config, if known, for token ids and
@@ -313,6 +388,7 @@ class Architecture:
         config = dict(base or {})
         config.update(architectures=[self.name], model_type=self.model_type)
         config.update(self._shape_fields(model))
+        config.update(self._moe_fields(model))
         self._set_head_dim(model, config)
         config.update(write_rope(model))
         config.update(self.export_fields)
@@ -340,6 +416,22 @@ class Architecture:
             "hidden_act": "silu",
         }
 
+    def _moe_fields(self, model: ModelConfig) -> dict[str, Any]:
+        """config.json fields of the MoE layers (dense layers as mlp_only_layers)."""
+        layout, moe = self.moe, model.moe
+        if layout is None:
+            return {}
+        fields = {layout.num_experts_keys[0]: moe.num_experts,
+                  "num_experts_per_tok": moe.router_topk,
+                  layout.expert_ffn_key: moe.expert_ffn(model.ffn_hidden_size)}
+        if layout.normalize_key:
+            fields[layout.normalize_key] = moe.normalize_topk
+        if layout.sparse_step_keys:
+            fields.update(decoder_sparse_step=1, mlp_only_layers=sorted(moe.dense_layers))
+        if layout.shared_expert:
+            fields["shared_expert_intermediate_size"] = moe.shared_expert_ffn_hidden_size
+        return fields
+
     def _set_head_dim(self, model: ModelConfig, config: dict) -> None:
         """Write head_dim, or leave it out when the model derives it (hidden/heads) and so does
         transformers for a config without it (Qwen3 defaults to 128, so it always gets one)."""
@@ -351,6 +443,10 @@ class Architecture:
     def _check_round_trip(self, model: ModelConfig, config: dict) -> None:
         """ValueError if `config` does not read back as `model` (a base config field that
         contradicts it, or a model this architecture cannot express)."""
+        if model.moe.enabled != (self.moe is not None):
+            raise ValueError(f"{self.name} is {'a' if self.moe else 'not a'} Mixture-of-Experts "
+                             f"architecture; the model has model.moe.num_experts="
+                             f"{model.moe.num_experts}")
         if model.qkv_bias != self.qkv_bias or model.qk_norm != self.qk_norm:
             raise ValueError(f"{self.name} has qkv_bias={self.qkv_bias}, qk_norm={self.qk_norm};"
                              f" the model has qkv_bias={model.qkv_bias}, qk_norm={model.qk_norm}")
@@ -365,12 +461,12 @@ class Architecture:
         """Every canonical tensor of `model` (LM head) -> the HF tensors that build it, in
         fusion order. Each HF tensor of the checkpoint appears exactly once (a tied model has
         no ``lm_head.weight``)."""
-        return {name: list(_hf_sources(name)) for name in _canonical_shapes(model)}
+        return {name: list(_hf_sources(name, self.moe)) for name in _canonical_shapes(model)}
 
     def hf_shapes(self, canonical_name: str, model: ModelConfig) -> dict[str, tuple]:
         """The HF tensors that build canonical `canonical_name` -> their expected shapes."""
         name = sharding.canonical_name(canonical_name)
-        return dict(zip(_hf_sources_checked(name, model), _hf_shapes(name, model)))
+        return dict(zip(_hf_sources_checked(name, model, self.moe), _hf_shapes(name, model)))
 
     def is_redundant_hf_name(self, hf_name: str, model: ModelConfig) -> bool:
         """True for HF state-dict entries that carry no information of their own: the tied
@@ -386,7 +482,7 @@ class Architecture:
         its sources). ValueError naming any missing HF tensor, or a mis-shaped one with both
         shapes. The result is contiguous."""
         name = sharding.canonical_name(canonical_name)
-        sources = _hf_sources_checked(name, model)
+        sources = _hf_sources_checked(name, model, self.moe)
         tensors = _gather_sources(name, sources, _hf_shapes(name, model), hf_tensors)
         kind = sharding.shard_kind(name)
         if kind is ShardKind.QKV:
@@ -401,7 +497,7 @@ class Architecture:
         bit-identical to what `to_canonical` consumed, and never sharing storage with each
         other. ValueError naming the tensor and both shapes when it is mis-shaped."""
         name = sharding.canonical_name(canonical_name)
-        sources = _hf_sources_checked(name, model)
+        sources = _hf_sources_checked(name, model, self.moe)
         expected = _canonical_shape(name, model)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"canonical tensor {name!r} has shape {tuple(tensor.shape)}, "
@@ -416,10 +512,11 @@ class Architecture:
         return dict(zip(sources, parts))
 
 
-def _hf_sources_checked(name: str, model: ModelConfig) -> tuple[str, ...]:
+def _hf_sources_checked(name: str, model: ModelConfig,
+                        moe: Optional[HfMoeLayout]) -> tuple[str, ...]:
     """`_hf_sources` after checking that `model` has canonical tensor `name`."""
     _canonical_shape(name, model)
-    return _hf_sources(name)
+    return _hf_sources(name, moe)
 
 
 def _gather_sources(name: str, sources: tuple[str, ...], shapes: tuple[tuple, ...],
@@ -441,9 +538,19 @@ def _gather_sources(name: str, sources: tuple[str, ...], shapes: tuple[tuple, ..
 
 def _hf_visible(model: ModelConfig) -> ModelConfig:
     """`model` with what config.json cannot tell apart normalised: None KV heads or head_dim
-    versus their derived values, and the vocab padding multiple (a layout choice)."""
+    versus their derived values, the vocab padding multiple (a layout choice), and the MoE
+    training options (load-balancing losses, router precision, a frozen router)."""
+    moe = model.moe
+    moe = MoEConfig(num_experts=moe.num_experts, ffn_hidden_size=(
+        moe.expert_ffn(model.ffn_hidden_size) if moe.enabled else None),
+        router_topk=moe.router_topk if moe.enabled else MoEConfig.router_topk,
+        normalize_topk=moe.normalize_topk if moe.enabled else MoEConfig.normalize_topk,
+        dense_layers=tuple(sorted(moe.dense_layers)),
+        shared_expert_ffn_hidden_size=moe.shared_expert_ffn_hidden_size,
+        shared_expert_gate=moe.shared_expert_gate)
     return ModelConfig(**{**model.__dict__, "num_kv_heads": model.kv_heads,
-                          "head_dim": model.kv_channels, "make_vocab_size_divisible_by": 1})
+                          "head_dim": model.kv_channels, "make_vocab_size_divisible_by": 1,
+                          "moe": moe})
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,20 +21,22 @@ MISTRAL_DEFAULTS = {
 """transformers' MistralConfig defaults for the keys that decide the math."""
 
 
-def _window_covers_context(window: Any, resolved: Mapping[str, Any]) -> bool:
+def window_covers_context(window: Any, resolved: Mapping[str, Any]) -> bool:
     """True when there is no window or it is at least the whole context (so never applies)."""
     return window is None or window >= resolved["max_position_embeddings"]
 
+
+SHORT_WINDOW_REFUSAL = Refusal(
+    "sliding_window", window_covers_context,
+    "a window shorter than max_position_embeddings is sliding-window attention, which is not "
+    "implemented")
+"""Mistral's and Mixtral's sliding window, refused unless it covers the whole context."""
 
 MISTRAL = Architecture(
     name="MistralForCausalLM",
     model_type="mistral",
     defaults=MISTRAL_DEFAULTS,
-    refusals=COMMON_REFUSALS + (
-        Refusal("sliding_window", _window_covers_context,
-                "a window shorter than max_position_embeddings is sliding-window attention, "
-                "which is not implemented"),
-    ),
+    refusals=COMMON_REFUSALS + (SHORT_WINDOW_REFUSAL,),
     export_fields={"sliding_window": None},
 )
 """The Mistral architecture."""

@@ -17,13 +17,15 @@ QWEN2_DEFAULTS = {
 }
 """transformers' Qwen2Config defaults for the keys that decide the math."""
 
+NO_SLIDING_WINDOW = must_be("use_sliding_window", False,
+                            "sliding-window attention is not implemented")
+"""Qwen2's and Qwen2-MoE's switch for their (per-layer) sliding window."""
+
 QWEN2 = Architecture(
     name="Qwen2ForCausalLM",
     model_type="qwen2",
     defaults=QWEN2_DEFAULTS,
-    refusals=COMMON_REFUSALS + (
-        must_be("use_sliding_window", False, "sliding-window attention is not implemented"),
-    ),
+    refusals=COMMON_REFUSALS + (NO_SLIDING_WINDOW,),
     export_fields={"use_sliding_window": False},
     uses_layer_types=True,
     qkv_bias=True,

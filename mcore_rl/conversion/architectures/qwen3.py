@@ -3,7 +3,7 @@
 Unlike Qwen2 there is no q/k/v bias; `attention_bias` would add one to o_proj too, which the
 Megatron model lacks, so it is refused. transformers defaults head_dim to 128 here (not
 hidden/heads), so that default matters for configs that omit it. Qwen3-MoE is a different
-architecture (Qwen3MoeForCausalLM) and is not supported.
+architecture (Qwen3MoeForCausalLM, qwen3_moe.py).
 """
 
 from __future__ import annotations
@@ -19,15 +19,18 @@ QWEN3_DEFAULTS = {
 }
 """transformers' Qwen3Config defaults for the keys that decide the math."""
 
+QWEN3_REFUSALS = COMMON_REFUSALS + (
+    must_be("attention_bias", False,
+            "it adds a bias to o_proj as well, which the Megatron model does not have"),
+    must_be("use_sliding_window", False, "sliding-window attention is not implemented"),
+)
+"""What Qwen3 and Qwen3-MoE refuse."""
+
 QWEN3 = Architecture(
     name="Qwen3ForCausalLM",
     model_type="qwen3",
     defaults=QWEN3_DEFAULTS,
-    refusals=COMMON_REFUSALS + (
-        must_be("attention_bias", False,
-                "it adds a bias to o_proj as well, which the Megatron model does not have"),
-        must_be("use_sliding_window", False, "sliding-window attention is not implemented"),
-    ),
+    refusals=QWEN3_REFUSALS,
     export_fields={"attention_bias": False, "use_sliding_window": False},
     uses_layer_types=True,
     qk_norm=True,
