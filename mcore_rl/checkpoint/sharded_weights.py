@@ -89,21 +89,24 @@ def sharded_pieces(name: str, shard: torch.Tensor, model: ModelConfig, tp_size: 
     return _vocab_blocks(name, shard, model, tp_rank, replica)
 
 
-def sharded_state_dict(local_shards: dict, model: ModelConfig, tp_size: int, pp_size: int,
-                       tp_rank: int, pp_rank: int, dp_rank: int = 0,
+def sharded_state_dict(local_shards: dict, model: ModelConfig, coordinates,
                        head: str = "lm") -> StateItems:
     """{unique key: ShardedTensor} for one rank's local shards (local names, as
-    `sharding.shard_full_state` or a model stage hold them)."""
-    sources = sharding.stage_params(model, pp_size, pp_rank, head)
+    `sharding.shard_full_state` or a model stage hold them); `coordinates`: the rank's
+    `RankCoordinates`. An expert's copies are its expert data-parallel ranks."""
+    sources = coordinates.stage_params(model, head)
     if set(local_shards) != set(sources):
         raise ValueError(f"local shards {sorted(set(local_shards) ^ set(sources))} do not match "
-                         f"pipeline stage {pp_rank}'s parameters")
+                         f"pipeline stage {coordinates.pp_rank}'s parameters")
     items = {}
-    tied_copy = sharding.has_tied_output_copy(model, pp_size, pp_rank, head)
+    tied_copy = sharding.has_tied_output_copy(model, coordinates.pp_size, coordinates.pp_rank,
+                                              head)
     for local, canonical in sources.items():
         is_copy = int(tied_copy and local == sharding.OUTPUT_LAYER)
-        pieces = sharded_pieces(canonical, local_shards[local], model, tp_size, tp_rank,
-                                (is_copy, dp_rank))
+        copy = (coordinates.expert_dp_rank if sharding.expert_of(canonical) is not None
+                else coordinates.dp_rank)
+        pieces = sharded_pieces(canonical, local_shards[local], model, coordinates.tp_size,
+                                coordinates.tp_rank, (is_copy, copy))
         for index, piece in enumerate(pieces):
             items[f"{local}#{index}"] = piece
     return items

@@ -37,16 +37,32 @@ class RankCoordinates:
     tp_rank: int
     pp_rank: int
     dp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    expert_dp_rank: int = 0
+    """Rank among the copies of this rank's experts (Megatron's expert data-parallel rank)."""
+
+    def stage_params(self, model: ModelConfig, head: str = "lm") -> dict[str, str]:
+        """`sharding.stage_params` of this rank: local names -> canonical names."""
+        return sharding.stage_params(model, self.pp_size, self.pp_rank, head, self.ep_size,
+                                     self.ep_rank)
 
 
 def megatron_coordinates() -> RankCoordinates:
-    """This rank's coordinates in Megatron's current parallel state."""
+    """This rank's coordinates in Megatron's current parallel state. Experts are split across
+    TP ranks as the dense layers are (expert TP = TP, with the same rank)."""
     from megatron.core import parallel_state as ps
 
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    if ps.get_expert_tensor_parallel_rank() != tp_rank:
+        raise ValueError(f"expert tensor-parallel rank {ps.get_expert_tensor_parallel_rank()} "
+                         f"differs from tensor-parallel rank {tp_rank}: unsupported layout")
     return RankCoordinates(ps.get_tensor_model_parallel_world_size(),
-                           ps.get_pipeline_model_parallel_world_size(),
-                           ps.get_tensor_model_parallel_rank(),
-                           ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+                           ps.get_pipeline_model_parallel_world_size(), tp_rank,
+                           ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
+                           ps.get_expert_model_parallel_world_size(),
+                           ps.get_expert_model_parallel_rank(),
+                           ps.get_expert_data_parallel_rank())
 
 
 def is_checkpoint(path: str) -> bool:
@@ -104,8 +120,7 @@ def save_weights(path: str, local_shards: dict, model: ModelConfig, coordinates:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     _barrier()
-    state = sharded_state_dict(local_shards, model, coordinates.tp_size, coordinates.pp_size,
-                               coordinates.tp_rank, coordinates.pp_rank, coordinates.dp_rank, head)
+    state = sharded_state_dict(local_shards, model, coordinates, head)
     with helper_processes_guarded():  # the torch_dist writer's Manager, started by the first save
         dist_checkpointing.save(state, staging)
     _barrier()
@@ -146,8 +161,7 @@ def load_weights_into(path: str, local_shards: dict, model: ModelConfig,
         raise ValueError(f"{path} holds a model with a '{metadata['head']}' head, not '{head}'")
     targets = {name: torch.empty_like(tensor, device="cpu") for name, tensor in
                local_shards.items()}
-    state = sharded_state_dict(targets, model, coordinates.tp_size, coordinates.pp_size,
-                               coordinates.tp_rank, coordinates.pp_rank, coordinates.dp_rank, head)
+    state = sharded_state_dict(targets, model, coordinates, head)
     loaded = dist_checkpointing.load(state, path)
     for key, piece in state.items():
         piece.data.copy_(loaded[key])
@@ -159,7 +173,7 @@ def load_weights_into(path: str, local_shards: dict, model: ModelConfig,
 def _zero_vocab_padding(targets: dict, model: ModelConfig, coordinates: RankCoordinates,
                         head: str) -> None:
     """Zero the vocabulary rows that only exist as padding for this TP size (not stored)."""
-    sources = sharding.stage_params(model, coordinates.pp_size, coordinates.pp_rank, head)
+    sources = coordinates.stage_params(model, head)
     for name, tensor in targets.items():
         if sharding.shard_kind(sources[name]) is not sharding.ShardKind.VOCAB:
             continue

@@ -29,7 +29,7 @@ class ParallelConfig:
     """Ranks that split the sequence (Megatron CP). Reserved: only 1 is supported today."""
 
     expert_model_parallel_size: int = 1
-    """Ranks that split MoE experts (Megatron EP). Reserved: only 1 is supported today."""
+    """Ranks that split MoE experts (Megatron EP). Only 1 for jobs today (docs/moe.md)."""
 
     sequence_parallel: bool = False
     """Shard activations along the sequence inside TP regions (needs TP > 1)."""
@@ -68,7 +68,8 @@ class ParallelConfig:
             errors.append("parallel.context_parallel_size must be 1 (context parallelism is "
                           "reserved for a later release)")
         if self.expert_model_parallel_size != 1:
-            errors.append("parallel.expert_model_parallel_size must be 1 (MoE is not supported yet)")
+            errors.append("parallel.expert_model_parallel_size must be 1 until jobs train "
+                          "Mixture-of-Experts models (docs/moe.md)")
         orders = ["-".join(order) for order in permutations(MEGATRON_DEFAULT_ORDER.split("-"))]
         if self.rank_order not in (AUTO_ORDER, *orders):
             errors.append(f"parallel.rank_order={self.rank_order!r} must be auto or one of "

@@ -60,7 +60,7 @@ def local_shards_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConfi
     """This rank's local shards (LM head), streamed tensor by tensor. Shards are copies, so
     each full tensor is freed as soon as it has been cut."""
     shards = {}
-    params = sharding.stage_params(model, coordinates.pp_size, coordinates.pp_rank)
+    params = coordinates.stage_params(model)
     for local, canonical in progress(params.items(), total=len(params), desc="hf->mcore",
                                      unit="tensor"):
         full = canonical_from_hf(hf, arch, model, canonical)

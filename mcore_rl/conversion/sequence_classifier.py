@@ -60,8 +60,7 @@ def scalar_shards_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConf
                           coordinates: RankCoordinates) -> dict[str, torch.Tensor]:
     """This rank's local shards of the scalar-head model, streamed tensor by tensor."""
     shards = {}
-    for local, canonical in sharding.stage_params(model, coordinates.pp_size,
-                                                  coordinates.pp_rank, "scalar").items():
+    for local, canonical in coordinates.stage_params(model, "scalar").items():
         if canonical == sharding.SCALAR_HEAD:
             shards[local] = hf.tensor(SCORE).clone()
             continue

@@ -95,4 +95,4 @@ def _for_head(lm_shards: dict, head: str) -> dict:
 
 
 def _lm_stage(model: ModelConfig, coordinates) -> dict:
-    return sharding.stage_params(model, coordinates.pp_size, coordinates.pp_rank, "lm")
+    return coordinates.stage_params(model, "lm")

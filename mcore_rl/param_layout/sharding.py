@@ -39,8 +39,9 @@ in place of the two ``mlp.linear_fc*`` tensors::
     decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight              [2*Fs, H] GATE_UP (Fs > 0)
     decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight              [H, Fs]   ROW     (Fs > 0)
 
-with the GLOBAL expert index e (expert parallelism, like pipeline stages, numbers them locally).
-Experts are split across tensor-parallel ranks like the dense MLP (expert TP = TP).
+with the GLOBAL expert index e. Experts are split across tensor-parallel ranks like the dense
+MLP (expert TP = TP). Expert parallelism (EP ranks) is like the pipeline for layers: EP rank r
+holds experts [r * E/EP, (r + 1) * E/EP) and numbers them locally from 0.
 
 Transformer-Engine spec names are accepted everywhere and mapped to these: TE fuses the norms into
 the following linear, so ``...self_attention.linear_qkv.layer_norm_weight`` is
@@ -117,6 +118,7 @@ class ShardKind(str, Enum):
 
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_INDEX = re.compile(r"^mlp\.experts\.local_experts\.\d+\.")
+_EXPERT_INDEX_VALUE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
 EXPERT_PREFIX = "mlp.experts.local_experts.{e}."
 """Per-layer name prefix of expert e's tensors (after ``decoder.layers.{i}.``)."""
 
@@ -471,16 +473,46 @@ def has_tied_output_copy(model: ModelConfig, pp_size: int, pp_rank: int,
     return head == "lm" and model.tie_embeddings and pp_size > 1 and pp_rank == pp_size - 1
 
 
-def stage_params(model: ModelConfig, pp_size: int, pp_rank: int,
-                 head: str = "lm") -> dict[str, str]:
-    """Local parameter names on pipeline stage ``pp_rank`` (in Megatron's named_parameters order)
-    -> the canonical full name each comes from. With tied embeddings and P > 1, the last stage's
-    ``output_layer.weight`` maps to ``embedding.word_embeddings.weight``."""
+def expert_of(name: str) -> int | None:
+    """The (global or local) expert index in an expert tensor's name, None for other names."""
+    match = _LAYER_PREFIX.match(name)
+    expert = _EXPERT_INDEX_VALUE.match(match.group(2)) if match else None
+    return int(expert.group(1)) if expert else None
+
+
+def _with_expert_index(name: str, index: int) -> str:
+    """An expert tensor's name with its expert index replaced."""
+    layer, suffix = _LAYER_PREFIX.match(name).groups()
+    suffix = _EXPERT_INDEX_VALUE.sub(EXPERT_PREFIX.format(e=index), suffix)
+    return f"decoder.layers.{layer}.{suffix}"
+
+
+def experts_per_rank(model: ModelConfig, ep_size: int) -> int:
+    """Experts each expert-parallel rank holds (they are split evenly)."""
+    if ep_size < 1 or model.moe.num_experts % ep_size:
+        raise ValueError(f"model.moe.num_experts={model.moe.num_experts} must be divisible by "
+                         f"expert_model_parallel_size={ep_size}")
+    return model.moe.num_experts // ep_size
+
+
+def stage_params(model: ModelConfig, pp_size: int, pp_rank: int, head: str = "lm",
+                 ep_size: int = 1, ep_rank: int = 0) -> dict[str, str]:
+    """Local parameter names on pipeline stage ``pp_rank`` and expert-parallel rank ``ep_rank``
+    (in Megatron's named_parameters order) -> the canonical full name each comes from. With
+    tied embeddings and P > 1, the last stage's ``output_layer.weight`` maps to
+    ``embedding.word_embeddings.weight``."""
     layers_per_stage(model, pp_size)
     _check_rank(pp_rank, pp_size, "pp_rank")
+    _check_rank(ep_rank, ep_size, "ep_rank")
+    per_rank = experts_per_rank(model, ep_size) if model.moe.enabled else 0
     params = {}
     for name in canonical_param_shapes(model, head):
         owner, local = to_local_name(name, model, pp_size)
+        expert = expert_of(name)
+        if expert is not None:
+            if expert // per_rank != ep_rank:
+                continue
+            local = _with_expert_index(local, expert % per_rank)
         if owner == pp_rank:
             params[local] = name
     if has_tied_output_copy(model, pp_size, pp_rank, head):

@@ -35,6 +35,8 @@ PATCHES = {
     "device='cuda' arguments and Tensor.cuda()": "causal masks, loss counters (TorchFunctionMode)",
     "Tensor.type() -> 'torch.cuda.*Tensor'": "optimizer dtype checks (TorchFunctionMode)",
     "vllm _CPUSHMDistributed.make_group_name": "per-job /dev/shm names (vllm_engine, CPU only)",
+    "megatron moe maybe_move_tensor_to_cpu(as_numpy=True)": "alltoall token dispatcher's split "
+    "sizes: host tensors were left as tensors, which all_to_all_single refuses",
 }
 
 _applied = False
@@ -56,6 +58,7 @@ def apply() -> None:
                            "the CPU compatibility layer is only for machines without a GPU")
     _patch_torch_cuda()
     _patch_megatron_rng()
+    _patch_megatron_moe_splits()
     _mode = _CudaToCpuMode()
     _mode.__enter__()
     _applied = True
@@ -153,6 +156,24 @@ def _patch_megatron_rng() -> None:
 
     mcore_random._get_cuda_rng_state = get_state
     mcore_random._set_cuda_rng_state = set_state
+
+
+def _patch_megatron_moe_splits() -> None:
+    """The alltoall token dispatcher turns its per-rank token counts into split sizes with
+    `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts only CUDA tensors: on the CPU
+    the counts stay tensors and torch's all_to_all_single refuses them. Host tensors asked for
+    as numpy now become numpy, as GPU ones do."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = move_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
 
 
 _CUDA_TYPE_NAMES = {
