@@ -111,10 +111,23 @@ def test_model_config_matches_transformers_config(case):
 
 @pytest.mark.parametrize("config_class, name", [
     (transformers.LlamaConfig, "LlamaForCausalLM"), (transformers.Qwen2Config, "Qwen2ForCausalLM"),
-    (transformers.Qwen3Config, "Qwen3ForCausalLM")])
+    (transformers.Qwen3Config, "Qwen3ForCausalLM"),
+    (transformers.Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
+    (transformers.Qwen2MoeConfig, "Qwen2MoeForCausalLM"),
+    (transformers.MixtralConfig, "MixtralForCausalLM")])
 def test_omitted_keys_take_transformers_defaults(config_class, name):
     model = ARCHITECTURES[name].model_config({"architectures": [name]})
     reference = config_class()
+    if "Moe" in name or "Mixtral" in name:
+        moe = model.moe
+        assert (moe.num_experts, moe.router_topk, moe.normalize_topk, moe.dense_layers) == (
+            reference.num_experts, reference.num_experts_per_tok,
+            getattr(reference, "norm_topk_prob", True), ())
+        assert moe.ffn_hidden_size == getattr(reference, "moe_intermediate_size",
+                                              reference.intermediate_size)
+        assert moe.shared_expert_ffn_hidden_size == getattr(
+            reference, "shared_expert_intermediate_size", 0)
+        assert model.rope_theta == reference.rope_parameters["rope_theta"]
     head_dim = getattr(reference, "head_dim", None)
     assert model.kv_channels == (head_dim or reference.hidden_size // reference.num_attention_heads)
     assert (model.num_layers, model.hidden_size, model.ffn_hidden_size, model.kv_heads,

@@ -10,6 +10,7 @@ from .runtime import RuntimeConfig
 from .sft import SftConfig
 from .training import BatchConfig, OptimizerConfig
 
-__all__ = ["AlgorithmConfig", "BatchConfig", "ConfigError", "InitConfig", "JobConfig", "ModelConfig", "MoEConfig", "OptimizerConfig",
+__all__ = ["AlgorithmConfig", "BatchConfig", "ConfigError", "InitConfig", "JobConfig", "ModelConfig",
+           "MoEConfig", "OptimizerConfig",
            "ParallelConfig", "RopeScalingConfig", "RuntimeConfig", "SftConfig", "SmokeConfig", "load_config",
            "to_yaml", "validate", "validate_rl", "validate_sft"]

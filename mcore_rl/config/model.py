@@ -2,9 +2,10 @@
 
 One `ModelConfig` describes Llama 2/3, SmolLM2, Mistral (no sliding window), Qwen2 (QKV bias) and
 Qwen3 (QK-norm), and with `moe` their Mixture-of-Experts siblings (Qwen3-MoE, Qwen2-MoE,
-Mixtral: MLPs replaced by routed SwiGLU experts, optionally beside an always-on shared expert). It is the single source for three consumers that must agree exactly: the
-Megatron-Core `TransformerConfig` (models/), the sharding rules (parallel/sharding.py) and the
-HF conversion. Numbers that follow from the fields (head_dim, padded vocab) are properties, so a
+Mixtral: MLPs replaced by routed SwiGLU experts, optionally beside an always-on shared
+expert). It is the single source for three consumers that must agree exactly: the
+Megatron-Core `TransformerConfig` (models/), the sharding rules (param_layout/sharding.py) and
+the HF conversion. Numbers that follow from the fields (head_dim, padded vocab) are properties, so a
 config can never hold two values that disagree.
 """
 

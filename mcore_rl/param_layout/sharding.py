@@ -117,8 +117,7 @@ class ShardKind(str, Enum):
 # --------------------------------------------------------------------------------------------
 
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT_INDEX = re.compile(r"^mlp\.experts\.local_experts\.\d+\.")
-_EXPERT_INDEX_VALUE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
+_EXPERT_INDEX = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
 EXPERT_PREFIX = "mlp.experts.local_experts.{e}."
 """Per-layer name prefix of expert e's tensors (after ``decoder.layers.{i}.``)."""
 
@@ -297,7 +296,7 @@ def _layer_suffixes(model: ModelConfig, layer: int) -> list[str]:
     if moe.shared_expert_ffn_hidden_size:
         if moe.shared_expert_gate:
             suffixes.append("mlp.shared_experts.gate_weight")
-        suffixes += ["mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"]
+        suffixes += [f"mlp.shared_experts.linear_fc{i}.weight" for i in (1, 2)]
     return suffixes
 
 
@@ -476,14 +475,14 @@ def has_tied_output_copy(model: ModelConfig, pp_size: int, pp_rank: int,
 def expert_of(name: str) -> int | None:
     """The (global or local) expert index in an expert tensor's name, None for other names."""
     match = _LAYER_PREFIX.match(name)
-    expert = _EXPERT_INDEX_VALUE.match(match.group(2)) if match else None
+    expert = _EXPERT_INDEX.match(match.group(2)) if match else None
     return int(expert.group(1)) if expert else None
 
 
 def _with_expert_index(name: str, index: int) -> str:
     """An expert tensor's name with its expert index replaced."""
     layer, suffix = _LAYER_PREFIX.match(name).groups()
-    suffix = _EXPERT_INDEX_VALUE.sub(EXPERT_PREFIX.format(e=index), suffix)
+    suffix = _EXPERT_INDEX.sub(EXPERT_PREFIX.format(e=index), suffix)
     return f"decoder.layers.{layer}.{suffix}"
 
 

@@ -31,6 +31,7 @@ This module is pure: torch only, no torch.distributed, no Megatron, no transform
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass, field
@@ -541,13 +542,13 @@ def _hf_visible(model: ModelConfig) -> ModelConfig:
     versus their derived values, the vocab padding multiple (a layout choice), and the MoE
     training options (load-balancing losses, router precision, a frozen router)."""
     moe = model.moe
-    moe = MoEConfig(num_experts=moe.num_experts, ffn_hidden_size=(
-        moe.expert_ffn(model.ffn_hidden_size) if moe.enabled else None),
-        router_topk=moe.router_topk if moe.enabled else MoEConfig.router_topk,
-        normalize_topk=moe.normalize_topk if moe.enabled else MoEConfig.normalize_topk,
-        dense_layers=tuple(sorted(moe.dense_layers)),
-        shared_expert_ffn_hidden_size=moe.shared_expert_ffn_hidden_size,
-        shared_expert_gate=moe.shared_expert_gate)
+    if moe.enabled:
+        untrained = MoEConfig()
+        moe = dataclasses.replace(
+            moe, ffn_hidden_size=moe.expert_ffn(model.ffn_hidden_size),
+            dense_layers=tuple(sorted(moe.dense_layers)),
+            **{name: getattr(untrained, name) for name in (
+                "aux_loss_coeff", "z_loss_coeff", "router_dtype", "freeze_router")})
     return ModelConfig(**{**model.__dict__, "num_kv_heads": model.kv_heads,
                           "head_dim": model.kv_channels, "make_vocab_size_divisible_by": 1,
                           "moe": moe})
