@@ -207,6 +207,16 @@ def test_bad_rollout_layouts_are_refused_before_planning(engine, tp, message):
         make_rollout_layout(TrainingLayout(MODEL, 2, 1, 3), engine, tp)
 
 
+def test_mixture_of_experts_models_are_refused_until_built():
+    import dataclasses
+
+    from mcore_rl.config.model import MoEConfig
+
+    model = dataclasses.replace(MODEL, moe=MoEConfig(num_experts=4))
+    with pytest.raises(PlanError, match="resharding Mixture-of-Experts weights is not built"):
+        make_rollout_layout(TrainingLayout(model, 2, 1, 3), "vllm", 2)
+
+
 def test_vllm_vocabulary_rule():
     # vLLM pads 100 rows to 128 = 2 x 64, which TP 3 cannot split; Megatron pads to 384.
     model = ModelConfig(num_layers=2, hidden_size=96, ffn_hidden_size=96, num_attention_heads=6,
