@@ -117,7 +117,13 @@ def ground_truth_checked(config: JobConfig, data: TrainingData, reward_fn) -> bo
 
 
 def build_reward_model(config: JobConfig, device: torch.device) -> RewardModel:
-    """The frozen reward model from reward.model_path (an HF sequence classifier)."""
+    """The frozen reward model from reward.model_path (an HF sequence classifier). Without a
+    missing-EOS penalty rank 0 says once that cut-off responses are scored as complete ones."""
+    if not config.reward.shaping.missing_eos_penalty:
+        print0("reward.model_path: responses cut off at rollout.sampling.max_new_tokens are "
+               "scored as if complete (a reward model trained on complete answers can rate "
+               "them highest); reward.shaping.missing_eos_penalty penalises them "
+               "(docs/preference.md)")
     from mcore_rl.checkpoint import megatron_coordinates
     from mcore_rl.conversion.sequence_classifier import (open_sequence_classifier,
                                                          scalar_shards_from_hf)
