@@ -14,7 +14,7 @@ import time
 import torch
 
 from .config import ConfigError, JobConfig, validate
-from .config.job import colocated_only_errors
+from .config.job import colocated_only_errors, moe_job_errors
 from .conversion.model_source import with_model_from_init
 from .models.pretrained import build_from_init
 from .runtime import initialize, print0, read_launch_env, shutdown
@@ -44,8 +44,9 @@ def run_smoke(config: JobConfig) -> list[dict]:
 
     launch = read_launch_env()
     config = validate(with_model_from_init(config), launch.world_size)
-    if colocated_only_errors(config):
-        raise ConfigError(colocated_only_errors(config)[0])
+    errors = colocated_only_errors(config) + moe_job_errors(config)
+    if errors:
+        raise ConfigError(errors[0])
     runtime = initialize(config, launch)
     model = build_from_init(config.init, config.model, config.parallel,
                             config.runtime.precision, device=runtime.device)

@@ -70,23 +70,30 @@ def _gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _merged_weights(module, model: ModelConfig, parallel: ParallelConfig, head: str):
-    """The full updated weights, merged from every (tp, pp) rank's shards (None off rank 0)."""
-    from megatron.core import parallel_state
+    """The full updated weights, merged from every rank's shards (None off rank 0): each
+    canonical tensor from its TP shards (every (pp, ep) rank holding it agrees)."""
+    from mcore_rl.checkpoint import megatron_coordinates
 
-    key = (parallel_state.get_tensor_model_parallel_rank(),
-           parallel_state.get_pipeline_model_parallel_rank())
+    coordinates = megatron_coordinates()
+    names = coordinates.stage_params(model, head)
+    state = {names[local]: tensor for local, tensor in local_state(module).items()}
     everything = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, (key, local_state(module)))
+    dist.all_gather_object(everything, (coordinates.tp_rank, state))
     if dist.get_rank() != 0:
         return None
-    shards = dict(everything)  # DP replicas share a key and hold identical weights
-    return sharding.merge_shards(shards, model, parallel.tensor_model_parallel_size,
-                                 parallel.pipeline_model_parallel_size, head=head)
+    tp = parallel.tensor_model_parallel_size
+    shards = {}  # canonical name -> {tp rank: shard}; replicas hold identical weights
+    for tp_rank, rank_state in everything:
+        for name, tensor in rank_state.items():
+            shards.setdefault(name, {})[tp_rank] = tensor
+    return {name: sharding.merge_from_tp(name, [shards[name][r] for r in range(tp)], model, tp)
+            for name in sharding.canonical_param_shapes(model, head)}
 
 
 def run_layout(model: ModelConfig, tp: int, pp: int, out_path: str,
-               use_distributed_optimizer: bool = True) -> None:
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+               use_distributed_optimizer: bool = True, ep: int = 1) -> None:
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep)
     # adam_eps well above gradient round-off keeps Adam's first step (~lr * sign(g)) continuous
     # in g, so layouts that differ by float summation order stay within the tolerance.
     optimizer = OptimizerConfig(lr=1e-2, adam_eps=1e-3, clip_grad=1.0,

@@ -223,9 +223,13 @@ def test_rl_config_rules_name_the_fields():
                                           "estimator=remax"):
         validate_rl(load_config(None, ["algorithm.estimator=remax",
                                        "reward.shaping.center=true"]), 1)
-    with pytest.raises(ConfigError, match="model.moe.num_experts=4: Mixture-of-Experts models "
-                                          "convert both ways"):
+    with pytest.raises(ConfigError, match="model.moe.num_experts=4: this job does not train "
+                                          "Mixture-of-Experts models yet"):
         validate_rl(load_config(None, ["model.moe.num_experts=4"]), 1)
+    with pytest.raises(ConfigError, match="expert_model_parallel_size=2 must divide the "
+                                          "data-parallel size 1"):
+        validate_rl(load_config(None, ["model.moe.num_experts=4",
+                                       "parallel.expert_model_parallel_size=2"]), 1)
     with pytest.raises(ConfigError, match=r"model.moe.router_topk=5 must be in \[1, "
                                           r"model.moe.num_experts=4\]"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "model.moe.router_topk=5"]), 1)

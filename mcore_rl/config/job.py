@@ -148,14 +148,40 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
         errors.append(f"smoke.steps={config.smoke.steps} must be >= 1")
     if config.trainer.console_every < 1:
         errors.append(f"trainer.console_every={config.trainer.console_every} must be >= 1")
-    if config.model.moe.enabled:
-        errors.append(f"model.moe.num_experts={config.model.moe.num_experts}: Mixture-of-Experts "
-                      "models convert both ways (mcore-rl convert) and run forward at any "
-                      "TP x PP, but jobs that train them are not built yet")
+    if not errors:
+        errors += _expert_layout_errors(config, training_world)
     if errors:
         raise ConfigError("invalid configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
     return dataclasses.replace(config, runtime=config.runtime.resolved())
+
+
+def _expert_layout_errors(config: JobConfig, world_size: int) -> list[str]:
+    """Expert parallelism against the model and the world (Megatron's rules)."""
+    parallel, moe = config.parallel, config.model.moe
+    ep = parallel.expert_model_parallel_size
+    if not moe.enabled:
+        return ([f"parallel.expert_model_parallel_size={ep} needs a Mixture-of-Experts model "
+                 "(model.moe.num_experts > 0)"] if ep > 1 else [])
+    errors = []
+    if moe.num_experts % ep:
+        errors.append(f"model.moe.num_experts={moe.num_experts} must be divisible by "
+                      f"parallel.expert_model_parallel_size={ep}")
+    if parallel.data_parallel_size(world_size) % ep:
+        errors.append(f"parallel.expert_model_parallel_size={ep} must divide the data-parallel "
+                      f"size {parallel.data_parallel_size(world_size)}")
+    if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
+        errors.append("a Mixture-of-Experts model at tensor_model_parallel_size > 1 trains only "
+                      "with parallel.sequence_parallel=true (Megatron's MoE layer)")
+    return errors
+
+
+def moe_job_errors(config: JobConfig) -> list[str]:
+    """Jobs that cannot train Mixture-of-Experts models yet (docs/moe.md)."""
+    moe = config.model.moe
+    return [f"model.moe.num_experts={moe.num_experts}: this job does not train "
+            "Mixture-of-Experts models yet (they convert both ways and train one step at any "
+            "TP x PP x EP; docs/moe.md)"] if moe.enabled else []
 
 
 def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] = ()) -> JobConfig:
@@ -167,7 +193,7 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
     errors += config.data.errors() + config.reward.errors()
     errors += config.actor.optimizer.check("actor.optimizer")
     errors += config.critic.optimizer.check("critic.optimizer")
-    errors += _rl_batch_errors(config, world_size) + list(name_errors)
+    errors += _rl_batch_errors(config, world_size) + list(name_errors) + moe_job_errors(config)
     errors += _engine_old_logprob_errors(config)
     if config.reward.shaping.active and config.algorithm.estimator == "remax":
         errors.append("reward.shaping cannot be combined with algorithm.estimator=remax: its "
@@ -250,6 +276,7 @@ def validate_dataset_job(config: JobConfig, world_size: int, section: str,
     config = validate(config, world_size)
     dp_size = config.parallel.data_parallel_size(world_size)
     errors = getattr(config, section).errors(dp_size) + colocated_only_errors(config)
+    errors += moe_job_errors(config)
     if config.data.chat_template_mode() not in CHAT_TEMPLATE_MODES:
         errors.append(f"data.apply_chat_template={config.data.apply_chat_template!r} must be "
                       f"one of {', '.join(CHAT_TEMPLATE_MODES)}")

@@ -29,7 +29,8 @@ class ParallelConfig:
     """Ranks that split the sequence (Megatron CP). Reserved: only 1 is supported today."""
 
     expert_model_parallel_size: int = 1
-    """Ranks that split MoE experts (Megatron EP). Only 1 for jobs today (docs/moe.md)."""
+    """Ranks that split MoE experts (Megatron EP): each holds model.moe.num_experts / EP of them,
+    and tokens travel to their experts all-to-all. Must divide the data-parallel size."""
 
     sequence_parallel: bool = False
     """Shard activations along the sequence inside TP regions (needs TP > 1)."""
@@ -51,8 +52,12 @@ class ParallelConfig:
         return world_size // self.model_parallel_size
 
     def megatron_order(self) -> str:
-        """The rank order Megatron is initialised with (auto still unresolved: the default)."""
-        return MEGATRON_DEFAULT_ORDER if self.rank_order == AUTO_ORDER else self.rank_order
+        """The rank order Megatron is initialised with (auto still unresolved: the default).
+        With expert parallelism Megatron's expert ranks need "ep" in it: the EP ranks of an
+        expert group are then consecutive among the data-parallel ranks (Megatron's own
+        default, tp-cp-ep-dp-pp, places it there too)."""
+        order = MEGATRON_DEFAULT_ORDER if self.rank_order == AUTO_ORDER else self.rank_order
+        return order.replace("dp", "ep-dp") if self.expert_model_parallel_size > 1 else order
 
     def check(self, world_size: int, world_name: str = "") -> list[str]:
         """Broken layout rules as messages naming the field (empty when valid). world_name:
@@ -67,9 +72,6 @@ class ParallelConfig:
         if self.context_parallel_size != 1:
             errors.append("parallel.context_parallel_size must be 1 (context parallelism is "
                           "reserved for a later release)")
-        if self.expert_model_parallel_size != 1:
-            errors.append("parallel.expert_model_parallel_size must be 1 until jobs train "
-                          "Mixture-of-Experts models (docs/moe.md)")
         orders = ["-".join(order) for order in permutations(MEGATRON_DEFAULT_ORDER.split("-"))]
         if self.rank_order not in (AUTO_ORDER, *orders):
             errors.append(f"parallel.rank_order={self.rank_order!r} must be auto or one of "

@@ -53,5 +53,6 @@ def load_full_state(module: torch.nn.Module, full_state: Mapping[str, torch.Tens
     shards = sharding.shard_full_state(
         full_state, model, parallel.tensor_model_parallel_size,
         parallel.pipeline_model_parallel_size, parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_rank(), head)
+        parallel_state.get_pipeline_model_parallel_rank(), head,
+        parallel.expert_model_parallel_size, parallel_state.get_expert_model_parallel_rank())
     copy_into_stage(module, shards)

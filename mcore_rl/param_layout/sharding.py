@@ -538,10 +538,10 @@ def _canonical_state(state: Mapping[str, torch.Tensor], where: str) -> dict[str,
 
 
 def shard_full_state(full_state: Mapping[str, torch.Tensor], model: ModelConfig, tp_size: int,
-                     pp_size: int, tp_rank: int, pp_rank: int,
-                     head: str = "lm") -> dict[str, torch.Tensor]:
-    """The local state (local names -> contiguous shards) of rank (tp_rank, pp_rank), cut from a
-    canonical full state. ``full_state`` may hold only some parameters, but must hold every one
+                     pp_size: int, tp_rank: int, pp_rank: int, head: str = "lm",
+                     ep_size: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """The local state (local names -> contiguous shards) of rank (tp_rank, pp_rank, ep_rank),
+    cut from a canonical full state. ``full_state`` may hold only some parameters, but must hold every one
     this stage needs and nothing that is not a parameter of this model."""
     _check_layout(model, tp_size, pp_size)
     _check_rank(tp_rank, tp_size, "tp_rank")
@@ -552,7 +552,7 @@ def shard_full_state(full_state: Mapping[str, torch.Tensor], model: ModelConfig,
     if unknown:
         raise ValueError(f"full state holds names that are not parameters of this model: {unknown}")
     local_state = {}
-    for local, source in stage_params(model, pp_size, pp_rank, head).items():
+    for local, source in stage_params(model, pp_size, pp_rank, head, ep_size, ep_rank).items():
         if source not in state:
             raise ValueError(f"full state is missing {source!r} (needed as {local!r} on "
                              f"pipeline stage {pp_rank})")
