@@ -414,8 +414,9 @@ def _same_run(config: JobConfig) -> bool:
 
 
 def _replace_folder(source: str, target: str) -> None:
-    """Move `source` to `target`, replacing it; `target` is never missing while the old one
-    is still there to keep (a `.old` left by a killed run is removed first)."""
+    """Move `source` to `target`, replacing it. Between the two renames the previous target
+    sits at `target.old` (a kill there leaves it for a reader; the next replacement removes
+    it first)."""
     shutil.rmtree(target + ".old", ignore_errors=True)
     if os.path.exists(target):
         os.replace(target, target + ".old")
