@@ -40,13 +40,14 @@ def megatron_logits(module, ids: torch.Tensor, vocab_size: int) -> torch.Tensor 
     return next(item for item in gathered if item is not None)
 
 
-def _set_layout(tp: int, pp: int) -> None:
+def _set_layout(tp: int, pp: int, ep: int = 1) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
 
 
@@ -94,17 +95,6 @@ def run_parity(jobs: list, layouts: list, ids: torch.Tensor, out_path: str) -> N
         torch.save(results, out_path)
 
 
-def _set_expert_layout(tp: int, pp: int, ep: int) -> None:
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-
-
 def run_expert_parity(checkpoints: dict, layouts: list, ids: torch.Tensor, saved_root: str,
                       out_path: str) -> None:
     """checkpoints: {case: converted checkpoint}; layouts: [(tp, pp, ep)]. At the first layout
@@ -118,7 +108,7 @@ def run_expert_parity(checkpoints: dict, layouts: list, ids: torch.Tensor, saved
     start_process_group(timeout_minutes=3)
     results = {}
     for index, (tp, pp, ep) in enumerate(layouts):
-        _set_expert_layout(tp, pp, ep)
+        _set_layout(tp, pp, ep)
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   expert_model_parallel_size=ep)
         for case, checkpoint in checkpoints.items():

@@ -67,7 +67,10 @@ def _set_outcome_rewards(batch: dict, scores: torch.Tensor) -> None:
 
 def shape_rewards(batch: dict, shaper: RewardShaper, dp_group, stats: SumsAndCounts) -> None:
     """Replace the batch's scores by the rewards the policy is trained on (reward.shaping:
-    the missing-EOS penalty, centring, normalisation, clipping); their numbers go to stats."""
+    the missing-EOS penalty, centring, normalisation, clipping); their numbers go to stats.
+    Without shaping the batch is left as it is."""
+    if not shaper.config.active:
+        return
     rewards, metrics = shaper(batch["scores"].double(), batch["truncated"], dp_group)
     for name, value in metrics.items():  # identical on every rank
         stats.add(name, torch.tensor([value]))
