@@ -22,8 +22,9 @@ NORMALIZATIONS = ("none", "scale", "standardize")
 @dataclass(frozen=True)
 class RewardShapingConfig:
     """How scores become the rewards the policy is trained on (algorithms/reward_shaping.py),
-    in this order: the missing-EOS penalty, centred, normalised, clipped. Meant for a reward model's scores (what TRL's
-    PPO trainer and OpenRLHF offer); they apply to rule scores the same way. The logged
+    in this order: the missing-EOS penalty, centred, normalised, clipped. Meant for a reward
+    model's scores (what TRL's PPO trainer and OpenRLHF offer); they apply to rule scores the
+    same way. The logged
     reward/mean is the shaped reward, reward/raw_mean the scores before."""
 
     missing_eos_penalty: float = 0.0

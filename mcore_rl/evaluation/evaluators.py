@@ -128,8 +128,8 @@ class AccuracyEvaluator(Evaluator):
 
 
 class PassAtKEvaluator(Evaluator):
-    """eval/pass@K with K = samples_per_prompt, when K > 1 and answers are checked: the unbiased estimator of Chen et
-    al. (2021) averaged over prompts (with exactly K samples per prompt it is the fraction of
+    """eval/pass@K with K = samples_per_prompt, when K > 1 and answers are checked: the
+    unbiased estimator of Chen et al. (2021) averaged over prompts (with exactly K samples per prompt it is the fraction of
     prompts with at least one correct response)."""
 
     def evaluate(self, trainer, samples: EvalSamples) -> dict[str, float]:

@@ -48,7 +48,7 @@ class ModelSelection:
 
     def observe(self, step: int, metrics: dict) -> Verdict:
         """Record the evaluation at `step`; a metric the evaluation did not log is an error
-        (naming what it did log), as is a value that is not a number."""
+        (naming what it did log), a value that is not finite counts as no improvement."""
         if not self.enabled:
             return Verdict(False, False)
         name = self.config.metric

@@ -62,7 +62,8 @@ class RewardHackingMonitor:
     def _accuracy_down(self, metrics: dict) -> bool:
         if "eval/accuracy" not in metrics or "eval/accuracy" not in self.start:
             return False
-        return metrics["eval/accuracy"] < self.start["eval/accuracy"] - self.thresholds.accuracy_drop
+        drop = self.thresholds.accuracy_drop
+        return metrics["eval/accuracy"] < self.start["eval/accuracy"] - drop
 
     def _diversity_collapse(self, metrics: dict) -> bool:
         start = self.start.get("eval/distinct_1")

@@ -541,8 +541,8 @@ def shard_full_state(full_state: Mapping[str, torch.Tensor], model: ModelConfig,
                      pp_size: int, tp_rank: int, pp_rank: int, head: str = "lm",
                      ep_size: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
     """The local state (local names -> contiguous shards) of rank (tp_rank, pp_rank, ep_rank),
-    cut from a canonical full state. ``full_state`` may hold only some parameters, but must hold every one
-    this stage needs and nothing that is not a parameter of this model."""
+    cut from a canonical full state. ``full_state`` may hold only some parameters, but must hold
+    every one this stage needs and nothing that is not a parameter of this model."""
     _check_layout(model, tp_size, pp_size)
     _check_rank(tp_rank, tp_size, "tp_rank")
     _check_rank(pp_rank, pp_size, "pp_rank")

@@ -49,16 +49,17 @@ def preference_report(directory: str) -> str:
                 "PPO last": hf_accuracy(str(last[-1]), held_out) if last else None,
                 "DPO": hf_accuracy(str(root / "dpo" / "hf"), held_out)}
     percent = lambda value: "-" if value is None else f"{value:.1%}"
+    last_name = last[-1].name if last else "no export"
     lines = [f"held-out answer accuracy ({HELD_OUT_QUESTIONS} questions, greedy, transformers):",
              f"  reward model: pair accuracy {rm['rm/val_accuracy']:.1%} (margin "
              f"{rm['rm/val_margin']:.2f}); its own best answer is right on {rm_best:.1%}",
              f"  SFT:                     {percent(accuracy['SFT'])}",
              f"  SFT -> RM -> PPO (best): {percent(accuracy['PPO best'])}   (step {best['step']}, "
              f"{best['metric']} {best['value']:.1%} on data/rlhf_dev.jsonl)",
-             f"  SFT -> RM -> PPO (last): {percent(accuracy['PPO last'])}   ({last[-1].name if last else 'no export'})",
+             f"  SFT -> RM -> PPO (last): {percent(accuracy['PPO last'])}   ({last_name})",
              f"  SFT -> DPO:              {percent(accuracy['DPO'])}",
              "", "| SFT | RM pairs | RM best answer | PPO best (step) | PPO last | DPO |",
              f"| {percent(accuracy['SFT'])} | {rm['rm/val_accuracy']:.1%} | {rm_best:.1%} | "
-             f"{percent(accuracy['PPO best'])} ({best['step']}) | {percent(accuracy['PPO last'])} | "
-             f"{percent(accuracy['DPO'])} |"]
+             f"{percent(accuracy['PPO best'])} ({best['step']}) | "
+             f"{percent(accuracy['PPO last'])} | {percent(accuracy['DPO'])} |"]
     return "\n".join(lines)
