@@ -6,12 +6,17 @@ definitions rather than from mcore_rl.resharding.
   rows of the same heads], a KV head shared by t/nkv ranks when t > nkv;
   MergedColumnParallelLinear holds [gate chunk r; up chunk r]; RowParallelLinear chunks the
   input dimension; the embedding and LM head are zero-padded to a multiple of 64 rows and
-  chunked; norms are replicated.
+  chunked; norms are replicated. Mixture-of-Experts layers (vllm/model_executor/layers/
+  fused_moe/routed_experts.py `_load_w13` / `_load_w2`): expert e's slot of ``w13_weight`` is
+  [gate chunk r; up chunk r], of ``w2_weight`` its down projection's input chunk r; the router
+  (``mlp.gate``) and the shared expert's gate are replicated, the shared expert is a dense MLP.
 * Megatron at another TP: `sharding.split_for_tp` at PP=1 (tested against transformers).
 * Full: the canonical tensor itself.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +26,8 @@ from mcore_rl.conversion.architectures import ARCHITECTURES
 from mcore_rl.param_layout import sharding
 
 LLAMA = ARCHITECTURES["LlamaForCausalLM"]
+QWEN2_MOE = ARCHITECTURES["Qwen2MoeForCausalLM"]
+_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def reference_full_state(model: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -36,11 +43,22 @@ def _rows(tensor: torch.Tensor, first: int, count: int) -> torch.Tensor:
 def vllm_reference(full_state: dict, model: ModelConfig, tp: int, rank: int) -> dict:
     """vLLM parameter name -> the tensor rank ``rank`` of a TP=``tp`` engine holds."""
     hf = {}
+    architecture = QWEN2_MOE if model.moe.enabled else LLAMA
     for name, tensor in full_state.items():
-        hf.update(LLAMA.from_canonical(name, tensor, model))
+        hf.update(architecture.from_canonical(name, tensor, model))
     d, nq, nkv = model.kv_channels, model.num_attention_heads, model.kv_heads
     result = {}
     for name, tensor in hf.items():
+        expert = _EXPERT.match(name)
+        if expert:
+            block, index, projection = expert.groups()
+            if projection == "gate":
+                up = hf[name.replace("gate_proj", "up_proj")]
+                result[f"{block}.routed_experts.w13_weight[{index}]"] = torch.cat(
+                    [tensor.chunk(tp)[rank], up.chunk(tp)[rank]])
+            elif projection == "down":
+                result[f"{block}.routed_experts.w2_weight[{index}]"] = tensor.chunk(tp, dim=1)[rank]
+            continue
         if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
             continue
         if ".q_proj." in name:

@@ -256,11 +256,14 @@ def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
     greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=4)
     config = PromptConfig(max_prompt_tokens=trainer.config.data.max_prompt_tokens)
     vllm_greedy = trainer.scheduler.generator.generate(prompts, greedy)
-    megatron = MegatronEngine(trainer.roles.actor.module, trainer.config.model, 16)
-    megatron_greedy = megatron.generate(prompts, greedy, config)
+    megatron_greedy = None
+    if trainer.config.parallel.expert_model_parallel_size == 1:  # EP ranks step together
+        megatron = MegatronEngine(trainer.roles.actor.module, trainer.config.model, 16)
+        megatron_greedy = [c.token_ids for c in megatron.generate(prompts, greedy,
+                                                                  config).completions]
     result = {"history": history, "rank_order": trainer.config.parallel.rank_order,
               "vllm": [c.token_ids for c in vllm_greedy.completions],
-              "megatron": [c.token_ids for c in megatron_greedy.completions]}
+              "megatron": megatron_greedy}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, result)
     if dist.get_rank() == 0:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mcore_rl.config import ModelConfig
+from mcore_rl.config.model import MoEConfig
 from mcore_rl.param_layout import sharding
 from mcore_rl.resharding import PlanError, TrainingLayout, build_plan, make_rollout_layout
 from mcore_rl.resharding.full_gather import full_gather_transfers
@@ -45,9 +46,10 @@ def training_shards(full_state, layout: TrainingLayout) -> dict[int, dict[str, t
     """Every rank's local training state, cut by the trainer's sharding rules."""
     shards = {}
     for rank in range(layout.world_size):
-        tp_rank, pp_rank, _ = layout.coordinates(rank)
+        tp_rank, pp_rank, ep_rank = layout.holding(rank)
         shards[rank] = sharding.shard_full_state(full_state, layout.model, layout.tp,
-                                                 layout.pp, tp_rank, pp_rank)
+                                                 layout.pp, tp_rank, pp_rank, "lm", layout.ep,
+                                                 ep_rank)
     return shards
 
 
@@ -207,14 +209,30 @@ def test_bad_rollout_layouts_are_refused_before_planning(engine, tp, message):
         make_rollout_layout(TrainingLayout(MODEL, 2, 1, 3), engine, tp)
 
 
-def test_mixture_of_experts_models_are_refused_until_built():
-    import dataclasses
+# A dense first layer, then 4 experts (top-2) and a gated shared expert per layer.
+MOE_MODEL = dataclasses.replace(MODEL, moe=MoEConfig(
+    num_experts=4, ffn_hidden_size=32, dense_layers=(0,), shared_expert_ffn_hidden_size=48,
+    shared_expert_gate=True))
+# (training tp, pp, dp, rank order, ep) -> vLLM rollout tp
+MOE_PAIRS = [((1, 1, 4, DEFAULT_ORDER, 2), 2), ((2, 1, 2, DEFAULT_ORDER, 2), 4),
+             ((1, 2, 4, DEFAULT_ORDER, 4), 2), ((2, 2, 2, ("pp", "tp", "dp"), 2), 8)]
 
-    from mcore_rl.config.model import MoEConfig
 
-    model = dataclasses.replace(MODEL, moe=MoEConfig(num_experts=4))
-    with pytest.raises(PlanError, match="resharding Mixture-of-Experts weights is not built"):
-        make_rollout_layout(TrainingLayout(model, 2, 1, 3), "vllm", 2)
+@pytest.mark.parametrize("training_dims,rollout_tp", MOE_PAIRS,
+                         ids=[f"tp{t}pp{p}dp{d}ep{e}-vllm{r}" for (t, p, d, _, e), r in MOE_PAIRS])
+def test_moe_plan_fills_vllm_expert_slots_with_only_missing_rows(training_dims, rollout_tp):
+    layout = TrainingLayout(MOE_MODEL, *training_dims)
+    rollout = make_rollout_layout(layout, "vllm", rollout_tp)
+    plan = build_plan(layout, rollout, torch.float32)
+    full = reference_full_state(MOE_MODEL)
+    delivered = execute_by_hand(plan, training_shards(full, layout))
+    for rank, shards in delivered.items():
+        expected = expected_shards(full, MOE_MODEL, "vllm", rollout_tp, rollout.tp_rank_of[rank])
+        assert shards.keys() == expected.keys()
+        for name, tensor in shards.items():
+            assert torch.equal(tensor, expected[name]), f"rank {rank} {name}"
+    received = plan.traffic().received
+    assert [int(b) // 4 for b in received] == brute_force_lower_bound(MOE_MODEL, layout, rollout)
 
 
 def test_vllm_vocabulary_rule():

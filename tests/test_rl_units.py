@@ -223,9 +223,15 @@ def test_rl_config_rules_name_the_fields():
                                           "estimator=remax"):
         validate_rl(load_config(None, ["algorithm.estimator=remax",
                                        "reward.shaping.center=true"]), 1)
-    with pytest.raises(ConfigError, match="model.moe.num_experts=4: this job does not train "
-                                          "Mixture-of-Experts models yet"):
-        validate_rl(load_config(None, ["model.moe.num_experts=4"]), 1)
+    with pytest.raises(ConfigError, match="rollout.engine='megatron' generates on the actor, "
+                                          "where ranks with experts split"):
+        validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=megatron",
+                                       "parallel.expert_model_parallel_size=2"]), 2)
+    with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch gives ranks "
+                                          "different numbers of micro-batches"):
+        validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=vllm",
+                                       "actor.max_tokens_per_micro_batch=64",
+                                       "parallel.expert_model_parallel_size=2"]), 2)
     with pytest.raises(ConfigError, match="expert_model_parallel_size=2 must divide the "
                                           "data-parallel size 1"):
         validate_rl(load_config(None, ["model.moe.num_experts=4",

@@ -177,11 +177,38 @@ def _expert_layout_errors(config: JobConfig, world_size: int) -> list[str]:
 
 
 def moe_job_errors(config: JobConfig) -> list[str]:
-    """Jobs that cannot train Mixture-of-Experts models yet (docs/moe.md)."""
+    """Jobs that cannot train Mixture-of-Experts models yet (SFT, preference, smoke: RL can,
+    docs/moe.md)."""
     moe = config.model.moe
     return [f"model.moe.num_experts={moe.num_experts}: this job does not train "
             "Mixture-of-Experts models yet (they convert both ways and train one step at any "
             "TP x PP x EP; docs/moe.md)"] if moe.enabled else []
+
+
+def _moe_rl_errors(config: JobConfig) -> list[str]:
+    """What an RL job on a Mixture-of-Experts model cannot do yet. With experts split over
+    ranks, every forward pass exchanges tokens among the EP ranks, so they must run the same
+    number of them: generating on the actor (responses of different lengths) and token-budget
+    micro-batches (a rank's count depends on its lengths) would leave one waiting."""
+    if not config.model.moe.enabled:
+        return []
+    errors = []
+    if config.placement.split:
+        errors.append(f"placement.rollout_ranks={config.placement.rollout_ranks}: split "
+                      "placement with a Mixture-of-Experts model is not built yet (docs/moe.md)")
+    if config.parallel.expert_model_parallel_size > 1:
+        if config.rollout.engine != "vllm":
+            errors.append(f"rollout.engine={config.rollout.engine!r} generates on the actor, "
+                          "where ranks with experts split (parallel.expert_model_parallel_size "
+                          "> 1) run different numbers of forward passes: use rollout.engine="
+                          "vllm")
+        for role in ("actor", "critic") if config.algorithm.needs_critic else ("actor",):
+            if getattr(config, role).max_tokens_per_micro_batch:
+                errors.append(f"{role}.max_tokens_per_micro_batch gives ranks different numbers"
+                              " of micro-batches, which experts split over ranks "
+                              "(parallel.expert_model_parallel_size > 1) cannot run: set it "
+                              "to 0")
+    return errors
 
 
 def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] = ()) -> JobConfig:
@@ -193,7 +220,7 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
     errors += config.data.errors() + config.reward.errors()
     errors += config.actor.optimizer.check("actor.optimizer")
     errors += config.critic.optimizer.check("critic.optimizer")
-    errors += _rl_batch_errors(config, world_size) + list(name_errors) + moe_job_errors(config)
+    errors += _rl_batch_errors(config, world_size) + list(name_errors) + _moe_rl_errors(config)
     errors += _engine_old_logprob_errors(config)
     if config.reward.shaping.active and config.algorithm.estimator == "remax":
         errors.append("reward.shaping cannot be combined with algorithm.estimator=remax: its "

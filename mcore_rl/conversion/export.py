@@ -44,7 +44,8 @@ def export_actor_to_hf(config: JobConfig, parameters: dict, tokenizer, out_dir: 
 
 
 def hf_architecture(config: JobConfig) -> Architecture:
-    """The HF architecture the engine loads: the init checkpoint's, else Llama's."""
+    """The HF architecture the engine loads: the init checkpoint's, else Llama's (Qwen3-MoE's
+    for a Mixture-of-Experts model, Qwen2-MoE's when it has a shared expert)."""
     if config.init.hf_path:
         with open(os.path.join(config.init.hf_path, "config.json")) as handle:
             return architecture_for(json.load(handle))
@@ -53,6 +54,10 @@ def hf_architecture(config: JobConfig) -> Architecture:
         name = read_metadata(config.init.checkpoint).get("hf_architecture")
         if name in ARCHITECTURES:
             return ARCHITECTURES[name]
+    moe = config.model.moe
+    if moe.enabled:
+        return ARCHITECTURES["Qwen2MoeForCausalLM" if moe.shared_expert_ffn_hidden_size
+                             else "Qwen3MoeForCausalLM"]
     return ARCHITECTURES["LlamaForCausalLM"]
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.transport import Transport, WorldTransport
-from .layouts import DEFAULT_ORDER, TrainingLayout
+from .layouts import DEFAULT_ORDER, TrainingLayout, layout_order
 from .plan import BucketEntry, ParamPlan, PlanError, ReshardPlan, Transfer
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 ** 2
@@ -226,17 +226,18 @@ class Resharder:
 
 def megatron_training_layout(model, order: str = "-".join(DEFAULT_ORDER)) -> TrainingLayout:
     """The TrainingLayout of Megatron's current parallel state, initialised with rank order
-    `order`, after checking that this rank's coordinates in it are the ones Megatron assigned
-    (the plan relies on the rank order)."""
+    `order`, after checking that this rank's coordinates in it (expert-parallel rank included)
+    are the ones Megatron assigned (the plan relies on the rank order)."""
     from megatron.core import parallel_state as ps
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     layout = TrainingLayout(model, tp, pp, dist.get_world_size() // (tp * pp),
-                            tuple(order.split("-")))
+                            layout_order(order), ps.get_expert_model_parallel_world_size())
+    rank = dist.get_rank()
     mine = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-            ps.get_data_parallel_rank())
-    if layout.coordinates(dist.get_rank()) != mine:
-        raise PlanError(f"rank {dist.get_rank()} has Megatron coordinates (tp, pp, dp) = {mine} "
-                        f"but the resharding layout assumes {layout.coordinates(dist.get_rank())}"
-                        f" for Megatron's rank order {order}")
+            ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank())
+    assumed = layout.coordinates(rank) + layout.holding(rank)[2:]
+    if assumed != mine:
+        raise PlanError(f"rank {rank} has Megatron coordinates (tp, pp, dp, ep) = {mine} but the "
+                        f"resharding layout assumes {assumed} for Megatron's rank order {order}")
     return layout

@@ -21,6 +21,10 @@ Rollout layouts
   down_proj are row-parallel; norms replicated. Tensor names are vLLM's parameter names.
   vLLM under ``external_launcher`` forms its TP groups from consecutive global ranks, so rank
   r is rollout TP rank ``r % tp``: the grouping is fixed.
+  Mixture-of-Experts layers (no vLLM expert parallelism): the router is ``{block}.gate``
+  (replicated), and expert e's rows are slot e of the layer's fused ``w13_weight`` ([gate chunk;
+  up chunk], like the dense MLP) and ``w2_weight`` (row-parallel), named
+  ``...routed_experts.w13_weight[e]`` here; the engine adapter assembles the slots.
 * ``megatron``: Megatron-Core's own layout at the rollout TP, no pipeline (canonical names). Any
   grouping of ranks works, so the planner picks the one that overlaps training shards most.
 * ``full``: every rank wants every full tensor (delivery form (a): HF-named full tensors for an
@@ -202,6 +206,18 @@ _VLLM_LAYER_NAMES = {
 }
 """Canonical per-layer suffix -> vLLM Llama-family parameter suffix."""
 
+_VLLM_MOE_NAMES = {
+    "mlp.router.weight": "{block}.gate.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+    "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.gate_up_proj.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+}
+"""Canonical MoE suffix -> vLLM suffix; ``{block}`` is the MoE module (mlp, Mixtral's
+block_sparse_moe)."""
+
+_VLLM_EXPERT = {"linear_fc1": "w13_weight", "linear_fc2": "w2_weight"}
+"""Expert linear -> vLLM's fused parameter holding every expert of a layer."""
+
 _VLLM_GLOBAL_NAMES = {
     sharding.EMBEDDING: "model.embed_tokens.weight",
     sharding.FINAL_NORM: "model.norm.weight",
@@ -210,15 +226,27 @@ _VLLM_GLOBAL_NAMES = {
 """Canonical non-layer name -> vLLM Llama-family parameter name."""
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+VLLM_EXPERT_SLOT = re.compile(r"^(.+)\[(\d+)\]$")
+"""An expert's slot in a fused vLLM parameter: ``<parameter name>[<expert>]``."""
 
 
-def vllm_name(canonical: str) -> str:
-    """vLLM's Llama-family (Llama, Qwen2, Qwen3, Mistral) name for canonical parameter
-    ``canonical``."""
+def vllm_name(canonical: str, moe_block: str = "mlp") -> str:
+    """vLLM's name for canonical parameter ``canonical`` in the Llama family (Llama, Qwen2,
+    Qwen3, Mistral) and its MoE members (Qwen3-MoE, Qwen2-MoE; Mixtral with ``moe_block``
+    block_sparse_moe). An expert's tensor is a slot of its layer's fused parameter."""
     match = _LAYER.match(canonical)
-    if match:
-        return f"model.layers.{match.group(1)}.{_VLLM_LAYER_NAMES[match.group(2)]}"
-    return _VLLM_GLOBAL_NAMES[canonical]
+    if not match:
+        return _VLLM_GLOBAL_NAMES[canonical]
+    layer, suffix = match.groups()
+    expert = _EXPERT.match(suffix)
+    if expert:
+        index, linear = expert.groups()
+        return (f"model.layers.{layer}.{moe_block}.experts.routed_experts."
+                f"{_VLLM_EXPERT[linear]}[{index}]")
+    if suffix in _VLLM_MOE_NAMES:
+        return f"model.layers.{layer}.{_VLLM_MOE_NAMES[suffix].format(block=moe_block)}"
+    return f"model.layers.{layer}.{_VLLM_LAYER_NAMES[suffix]}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,10 +258,18 @@ DEFAULT_ORDER = tuple(MEGATRON_DEFAULT_ORDER.split("-"))
 PP."""
 
 
+def layout_order(megatron_order: str) -> tuple[str, ...]:
+    """The TP/DP/PP order of Megatron's ``order`` string. With expert parallelism Megatron's
+    order has "ep" just before "dp" (config.parallel): EP ranks are then the data-parallel
+    coordinate modulo EP, which `TrainingLayout` derives, so the layout keeps three names."""
+    return tuple(name for name in megatron_order.split("-") if name != "ep")
+
+
 @dataclass(frozen=True)
 class TrainingLayout:
     """Megatron-Core's training layout TP x PP x DP over ranks 0..world-1, in a rank order
-    (Megatron's ``order``: the dimension varying fastest over consecutive ranks first)."""
+    (Megatron's ``order``: the dimension varying fastest over consecutive ranks first), with
+    MoE experts split over EP of the DP ranks (expert-parallel rank = DP rank mod EP)."""
 
     model: ModelConfig
     """The model being trained (LM head)."""
@@ -250,6 +286,9 @@ class TrainingLayout:
     order: tuple[str, ...] = DEFAULT_ORDER
     """A permutation of ("tp", "dp", "pp"), fastest-varying first."""
 
+    ep: int = 1
+    """Expert-parallel size: the DP ranks d with equal d mod EP hold the same experts."""
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
@@ -262,9 +301,10 @@ class TrainingLayout:
     def errors(self) -> list[str]:
         """Broken rules of this layout (empty when valid)."""
         errors = [f"training layout: {error}" for error in self.model.check(self.tp, self.pp)]
-        if self.model.moe.enabled:
-            errors.append(f"model.moe.num_experts={self.model.moe.num_experts}: resharding "
-                          "Mixture-of-Experts weights is not built yet (docs/moe.md)")
+        if self.ep > 1 and (self.dp % self.ep or self.model.moe.num_experts % self.ep):
+            errors.append(f"training layout: expert-parallel size {self.ep} must divide the "
+                          f"data-parallel size {self.dp} and the {self.model.moe.num_experts} "
+                          "experts")
         if sorted(self.order) != sorted(DEFAULT_ORDER):
             errors.append(f"training layout: rank order {self.megatron_order!r} must be a "
                           f"permutation of tp, dp and pp")
@@ -289,21 +329,25 @@ class TrainingLayout:
             stride *= sizes[name]
         return rank
 
+    def holding(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, pp_rank, ep_rank): what decides which shards ``rank`` holds."""
+        tp_rank, pp_rank, dp_rank = self.coordinates(rank)
+        return tp_rank, pp_rank, dp_rank % self.ep
+
     def held(self, rank: int) -> dict[str, ShardSpec]:
         """Canonical source -> the shard this rank's model stage holds (local names). A tied
         model's last-stage ``output_layer.weight`` copy is keyed by the embedding it copies.
         Ranks after the training ranks (rollout-only ranks in split placement) hold nothing."""
         if rank >= self.world_size:
             return {}
-        tp_rank, pp_rank, _ = self.coordinates(rank)
-        return _training_held(self.model, self.tp, self.pp, tp_rank, pp_rank)
+        return _training_held(self.model, self.tp, self.pp, self.ep, *self.holding(rank))
 
 
 @functools.lru_cache(maxsize=4096)
-def _training_held(model: ModelConfig, tp: int, pp: int, tp_rank: int,
-                   pp_rank: int) -> dict[str, ShardSpec]:
+def _training_held(model: ModelConfig, tp: int, pp: int, ep: int, tp_rank: int,
+                   pp_rank: int, ep_rank: int) -> dict[str, ShardSpec]:
     held = {}
-    for local, source in sharding.stage_params(model, pp, pp_rank).items():
+    for local, source in sharding.stage_params(model, pp, pp_rank, "lm", ep, ep_rank).items():
         pieces, padding = megatron_pieces(source, model, tp, tp_rank)
         held[source] = ShardSpec(local, source, split_dim(source), pieces, padding)
     return held
@@ -333,6 +377,10 @@ class RolloutLayout:
     """Job rank of the layout's first rank: 0 when colocated, the number of training ranks in
     split placement (the engine runs on the last ranks of the job)."""
 
+    moe_block: str = "mlp"
+    """The module holding an MoE layer's router and experts in the engine's names (vLLM's
+    Mixtral: block_sparse_moe)."""
+
     @property
     def world_size(self) -> int:
         """Ranks that run the engine."""
@@ -353,7 +401,7 @@ class RolloutLayout:
         if rank not in self.ranks:
             return {}
         return _rollout_wanted(self.model, self.engine, self.tp,
-                               self.tp_rank_of[rank - self.first_rank])
+                               self.tp_rank_of[rank - self.first_rank], self.moe_block)
 
     def group_ranks(self) -> list[list[int]]:
         """Job ranks of every rollout TP group, by DP rank, each in TP-rank order."""
@@ -364,8 +412,8 @@ class RolloutLayout:
 
 
 @functools.lru_cache(maxsize=4096)
-def _rollout_wanted(model: ModelConfig, engine: str, tp: int,
-                    tp_rank: int) -> dict[str, ShardSpec]:
+def _rollout_wanted(model: ModelConfig, engine: str, tp: int, tp_rank: int,
+                    moe_block: str) -> dict[str, ShardSpec]:
     wanted = {}
     for source, shape in sharding.canonical_param_shapes(model).items():
         dim = split_dim(source)
@@ -373,7 +421,8 @@ def _rollout_wanted(model: ModelConfig, engine: str, tp: int,
             wanted[source] = ShardSpec(source, source, dim, ((0, shape[dim]),))
         elif engine == "vllm":
             pieces, padding = vllm_pieces(source, model, tp, tp_rank)
-            wanted[source] = ShardSpec(vllm_name(source), source, dim, pieces, padding)
+            wanted[source] = ShardSpec(vllm_name(source, moe_block), source, dim, pieces,
+                                       padding)
         else:
             pieces, padding = megatron_pieces(source, model, tp, tp_rank)
             wanted[source] = ShardSpec(source, source, dim, pieces, padding)

@@ -359,7 +359,7 @@ def _planned_grouping(training: TrainingLayout, engine: str, tp: int,
     cost_cache: dict[tuple, int] = {}
 
     def lacking(rank: int, k: int) -> int:
-        key = (training.coordinates(rank)[:2], k)
+        key = (training.holding(rank), k)
         if key not in cost_cache:
             cost_cache[key] = lacking_elements(training, probes[k], rank)
         return cost_cache[key]
@@ -383,11 +383,12 @@ def _planned_grouping(training: TrainingLayout, engine: str, tp: int,
 
 
 def make_rollout_layout(training: TrainingLayout, engine: str, tp: int,
-                        gpus_per_node: int = 8, rollout_ranks: int = 0) -> RolloutLayout:
+                        gpus_per_node: int = 8, rollout_ranks: int = 0,
+                        moe_block: str = "mlp") -> RolloutLayout:
     """The rollout layout. Colocated (``rollout_ranks`` 0): over the training ranks, with vLLM's
     fixed consecutive grouping, or for the other engines the grouping that overlaps the training
     shards most. Split: over ``rollout_ranks`` ranks after the training ranks, consecutive
-    groups (they hold no training shard to overlap)."""
+    groups (they hold no training shard to overlap). moe_block: `RolloutLayout.moe_block`."""
     engine_ranks = rollout_ranks or training.world_size
     errors = training.errors() + rollout_errors(training.model, engine, tp, engine_ranks)
     if errors:
@@ -397,7 +398,8 @@ def make_rollout_layout(training: TrainingLayout, engine: str, tp: int,
     else:
         tp_rank_of, dp_rank_of = consecutive_grouping(engine_ranks, tp)
     first_rank = training.world_size if rollout_ranks else 0
-    return RolloutLayout(training.model, engine, tp, tp_rank_of, dp_rank_of, first_rank)
+    return RolloutLayout(training.model, engine, tp, tp_rank_of, dp_rank_of, first_rank,
+                         moe_block)
 
 
 def build_plan(training: TrainingLayout, rollout: RolloutLayout, dtype: torch.dtype,
@@ -435,8 +437,8 @@ def lower_bound_received(training: TrainingLayout, rollout: RolloutLayout,
     cache: dict[tuple, int] = {}
     lower = np.zeros(job_world_size(training, rollout), np.int64)
     for rank in rollout.ranks:
-        coordinates = training.coordinates(rank)[:2] if rank < training.world_size else None
-        key = (coordinates, rollout.tp_rank_of[rank - rollout.first_rank])
+        holding = training.holding(rank) if rank < training.world_size else None
+        key = (holding, rollout.tp_rank_of[rank - rollout.first_rank])
         if key not in cache:
             cache[key] = lacking_elements(training, rollout, rank)
         lower[rank] = cache[key]

@@ -23,7 +23,7 @@ from mcore_rl.models import DTYPES, build_gpt_model
 from mcore_rl.models.pretrained import build_from_init
 from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
-from mcore_rl.resharding.layouts import DEFAULT_ORDER, TrainingLayout
+from mcore_rl.resharding.layouts import DEFAULT_ORDER, TrainingLayout, layout_order
 from mcore_rl.resharding.plan import ReshardPlan
 from mcore_rl.resharding.rank_order import choose_training_order
 from mcore_rl.rewards import FunctionTable, RuleRewards
@@ -183,7 +183,8 @@ def with_rank_order(config: JobConfig, ranks_per_node: int, world_size: int) -> 
     if config.rollout.engine == "vllm" and not config.placement.split:
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
         order = choose_training_order(config.model, tp, pp, world_size // (tp * pp),
-                                      config.rollout.rollout_tp, ranks_per_node)
+                                      config.rollout.rollout_tp, ranks_per_node,
+                                      parallel.expert_model_parallel_size)
     return dataclasses.replace(config, parallel=dataclasses.replace(
         parallel, rank_order="-".join(order)))
 
@@ -216,15 +217,18 @@ def training_layout(config: JobConfig, job_world_size: int) -> TrainingLayout:
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     trainers = config.placement.trainer_ranks(job_world_size)
     return TrainingLayout(config.model, tp, pp, trainers // (tp * pp),
-                          tuple(parallel.megatron_order().split("-")))
+                          layout_order(parallel.megatron_order()),
+                          parallel.expert_model_parallel_size)
 
 
 def weight_plan(config: JobConfig, training: TrainingLayout,
                 weight_layout: str = "vllm") -> ReshardPlan:
     """The resharding plan from `training` to the engine's layout: over the same ranks when
     colocated, over the rollout ranks after the trainers in split placement."""
+    moe_layout = hf_architecture(config).moe
     rollout = make_rollout_layout(training, weight_layout, config.rollout.rollout_tp,
-                                  rollout_ranks=config.placement.rollout_ranks)
+                                  rollout_ranks=config.placement.rollout_ranks,
+                                  moe_block=moe_layout.block if moe_layout else "mlp")
     return build_plan(training, rollout, DTYPES[config.runtime.precision])
 
 

@@ -48,6 +48,7 @@ from mcore_rl.config.rl import rollout_tp_errors
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.conversion.architectures import Architecture
 from mcore_rl.resharding.delivery import hf_named
+from mcore_rl.resharding.layouts import VLLM_EXPERT_SLOT
 from mcore_rl.runtime import cpu_compat
 from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.progress import progress, progress_enabled
@@ -83,6 +84,10 @@ class VllmEngine(RolloutEngine):
         the trainer sends) or "full" (diagnostic: full tensors on every rank)."""
         if weight_layout not in ("vllm", "full"):
             raise ValueError(f"weight_layout={weight_layout!r} must be 'vllm' or 'full'")
+        if weight_layout == "full" and model.moe.enabled:
+            raise ValueError("weight_layout='full' reloads through vLLM's checkpoint loader, "
+                             "which does not repack a Mixture-of-Experts model's experts on "
+                             "CPUs (stale weights): use 'vllm'")
         self.weight_layout = weight_layout
         self.model = model
         self.architecture = architecture
@@ -120,6 +125,8 @@ class VllmEngine(RolloutEngine):
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=self._sleep_mode, enable_prefix_caching=False)
         raise_on_any_rank(problems, EngineError, "vLLM engine failed to start: ")
+        if not torch.cuda.is_available():
+            cpu_compat.reclaim_cuda_stand_ins()
 
     # -- generate --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
@@ -305,21 +312,70 @@ def _load_shards(worker, named_tensors: Iterable[tuple[str, torch.Tensor]],
     layer's weight processing again as soon as its last parameter is in (see the module
     docstring). On CPUs a linear layer's parameter is empty once packed: the shard becomes the
     parameter again, for the processing to pack and release; each shard is let go before the
-    next is asked for, so a sync holds one shard besides the resharder's buckets."""
+    next is asked for, so a sync holds one shard besides the resharder's buckets. An expert's
+    shard is a slot of its layer's fused parameters (`_load_expert`)."""
     model = worker.model_runner.get_model()
+    staged: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named_tensors:
-        module_name, _, param_name = name.rpartition(".")
+        slot = VLLM_EXPERT_SLOT.match(name)
+        module_name, _, param_name = (slot.group(1) if slot else name).rpartition(".")
         module = model.get_submodule(module_name)
-        param = getattr(module, param_name)
-        if param.numel() == 0:
-            setattr(module, param_name, torch.nn.Parameter(tensor, requires_grad=False))
+        if slot:
+            _load_expert(module, param_name, int(slot.group(2)), tensor,
+                         staged.setdefault(module_name, {}))
         else:
-            param.data.copy_(tensor)
-        del tensor, param
+            param = getattr(module, param_name)
+            if param.numel() == 0:
+                setattr(module, param_name, torch.nn.Parameter(tensor, requires_grad=False))
+            else:
+                param.data.copy_(tensor)
+            del param
+        del tensor
         if name in layer_completed_by:
-            _process_weights(module)
+            if slot:
+                _process_experts(module, staged.pop(module_name))
+            else:
+                _process_weights(module)
     if tied_head is not None:
         _process_weights(model.get_submodule(tied_head))
+
+
+def _experts_prepacked() -> bool:
+    """Whether vLLM keeps fused experts repacked after loading (its CPU kernel: intermediate
+    size zero-padded to a multiple of 32, then prepacked), which it does once, at start-up:
+    a weight update re-runs the method's processing but not the kernel's repack."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _load_expert(module: torch.nn.Module, param_name: str, expert: int, tensor: torch.Tensor,
+                 staged: dict[str, torch.Tensor]) -> None:
+    """Expert ``expert``'s shard into its slot of fused parameter ``param_name`` (w13_weight:
+    [experts, 2 x FFN/TP, hidden], w2_weight: [experts, hidden, FFN/TP]). Where the engine
+    repacks experts (`_experts_prepacked`) the slot is in a staged checkpoint-layout tensor
+    that replaces the parameter once the layer is complete; elsewhere it is copied in place
+    (CUDA graphs hold the parameter's address)."""
+    if not _experts_prepacked():
+        getattr(module, param_name).data[expert].copy_(tensor)
+        return
+    if param_name not in staged:
+        staged[param_name] = tensor.new_empty((module.local_num_experts, *tensor.shape))
+    staged[param_name][expert].copy_(tensor)
+
+
+def _process_experts(module: torch.nn.Module, staged: dict[str, torch.Tensor]) -> None:
+    """vLLM's post-load processing of a fused-experts layer whose every slot has arrived: the
+    staged tensors become its parameters, its method's processing runs, and where the engine
+    repacks experts the kernel's repack runs too (vLLM skips it after the first load, and
+    the kernel would multiply by the stale packed weights: the log-probs of an updated model
+    were 0.011 off transformers' before this)."""
+    for param_name, tensor in staged.items():
+        setattr(module, param_name, torch.nn.Parameter(tensor, requires_grad=False))
+    method = module.quant_method
+    method.process_weights_after_loading(module)
+    if staged:
+        method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _refresh_tied_head(worker, tied_head: str | None) -> None:
@@ -344,16 +400,31 @@ def _process_weights(module: torch.nn.Module) -> None:
 
 def _parameter_shapes(worker) -> dict[str, tuple[int, ...]]:
     """Each parameter's loadable shape; a CPU linear layer whose packed parameter is empty
-    reports the [out, in] shape of its partition."""
+    reports the [out, in] shape of its partition, a fused-experts layer each expert's slot
+    (``w13_weight[e]``: [2 x FFN/TP, hidden], ``w2_weight[e]``: [hidden, FFN/TP])."""
     model = worker.model_runner.get_model()
     shapes = {}
     for name, param in model.named_parameters():
-        module = model.get_submodule(name.rpartition(".")[0])
-        if param.numel() == 0 and hasattr(module, "output_size_per_partition"):
+        module_name, _, param_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if param_name in _EXPERT_SLOT_SHAPES and hasattr(module, "moe_config"):
+            moe = module.moe_config
+            slot = _EXPERT_SLOT_SHAPES[param_name](moe.hidden_dim,
+                                                   moe.intermediate_size_per_partition)
+            shapes.update({f"{name}[{expert}]": slot
+                           for expert in range(module.local_num_experts)})
+        elif param.numel() == 0 and hasattr(module, "output_size_per_partition"):
             shapes[name] = (module.output_size_per_partition, module.input_size_per_partition)
+        elif param.numel() == 0 and hasattr(module, "output_size"):  # replicated (MoE gates)
+            shapes[name] = (module.output_size, module.input_size)
         else:
             shapes[name] = tuple(param.shape)
     return shapes
+
+
+_EXPERT_SLOT_SHAPES = {"w13_weight": lambda hidden, ffn: (2 * ffn, hidden),
+                       "w2_weight": lambda hidden, ffn: (hidden, ffn)}
+"""One expert's loadable shape in a fused-experts parameter, from (hidden, FFN/TP)."""
 
 
 def _vllm_progress(iterable=None, **tqdm_kwargs):

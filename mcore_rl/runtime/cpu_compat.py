@@ -37,6 +37,8 @@ PATCHES = {
     "vllm _CPUSHMDistributed.make_group_name": "per-job /dev/shm names (vllm_engine, CPU only)",
     "megatron moe maybe_move_tensor_to_cpu(as_numpy=True)": "alltoall token dispatcher's split "
     "sizes: host tensors were left as tensors, which all_to_all_single refuses",
+    "torch.cuda stand-ins again after vLLM's CPU worker started": "vLLM replaces them with "
+    "placeholders whose record_event returns None, on which the MoE token dispatcher waits",
 }
 
 _applied = False
@@ -67,8 +69,19 @@ def apply() -> None:
 class _NoOpStream:
     """Stands in for torch.cuda.Stream: on the CPU all work is already ordered."""
 
+    device = torch.device("cpu")
+
     def __init__(self, *args, **kwargs):
         pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
     def wait_stream(self, other) -> None:
         pass
@@ -103,6 +116,15 @@ class _CpuEvent:
 
     def elapsed_time(self, end: "_CpuEvent") -> float:
         return (end._time - self._time) * 1000.0
+
+
+def reclaim_cuda_stand_ins() -> None:
+    """Put this module's torch.cuda stand-ins back after a vLLM CPU engine started: importing
+    vLLM's CPU worker replaces torch.cuda.Stream, Event, current_stream and stream with
+    placeholders of its own, whose ``record_event()`` returns None, and Megatron's MoE alltoall
+    dispatcher then fails synchronizing on that event. Ours do everything vLLM's do."""
+    if _applied:
+        _patch_torch_cuda()
 
 
 def name_vllm_cpu_segments_per_job(job: str) -> None:
