@@ -1,7 +1,8 @@
 """What one rank of a layout-invariance world does (run by tests/test_layout_invariance.py).
 
 Every layout loads the same reference weights, computes per-token outputs for the same batch,
-takes one optimizer step, and rank 0 saves the outputs and the merged updated weights.
+takes one optimizer step, and rank 0 saves the outputs and the merged updated weights. A
+Mixture-of-Experts model also replays routes before the step (`routing_checks`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import torch.distributed as dist
 from mcore_rl.config import (BatchConfig, JobConfig, ModelConfig, OptimizerConfig,
                              ParallelConfig, RuntimeConfig)
 from mcore_rl.models import build_gpt_model, load_full_state, local_state
+from mcore_rl.models.moe_routing import NO_ROUTE, RoutingPass
+from mcore_rl.runtime.devices import collective_device
 from mcore_rl.param_layout import sharding
 from mcore_rl.runtime import initialize, shutdown
 from mcore_rl.training import compute_outputs, make_trainable, shard_for_data_parallel, train_step
@@ -69,6 +72,32 @@ def _gather_to_rank0(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def routing_checks(chunks: list, local: dict, model: ModelConfig) -> dict:
+    """The routes the routers take on `local`, then two replays: of those very routes, and of
+    each route moved to the next expert. For each: the log-probs (all rows, rank 0), whether
+    every router took exactly the given routes (all ranks), and the pass's MoE metrics."""
+    natural = RoutingPass(model, replay=False, observe=True)
+    outputs = compute_outputs(chunks, local, MICRO_BATCH, "lm", model.vocab_size,
+                              routing=natural)
+    routes = natural.routes(*local["input_ids"].shape)
+    moved = torch.where(routes == NO_ROUTE, routes, (routes + 1) % model.moe.num_experts)
+    result = {"natural": {"logprobs": _gather_to_rank0(outputs["logprobs"]),
+                          "metrics": natural.metrics(collective_device())}}
+    for name, given in (("replayed", routes), ("moved", moved)):
+        replay = RoutingPass(model, replay=True, observe=True)
+        outputs = compute_outputs(chunks, dict(local, routed_experts=given), MICRO_BATCH, "lm",
+                                  model.vocab_size, routing=replay)
+        taken = replay.routes(*local["input_ids"].shape).sort(dim=-1).values
+        mine = given != NO_ROUTE  # this stage's layers
+        followed = torch.tensor([float(torch.equal(taken[mine],
+                                                   given.sort(dim=-1).values[mine]))])
+        dist.all_reduce(followed, op=dist.ReduceOp.MIN)
+        result[name] = {"logprobs": _gather_to_rank0(outputs["logprobs"]),
+                        "followed": bool(followed.item()),
+                        "metrics": replay.metrics(collective_device())}
+    return result
+
+
 def _merged_weights(module, model: ModelConfig, parallel: ParallelConfig, head: str):
     """The full updated weights, merged from every rank's shards (None off rank 0): each
     canonical tensor from its TP shards (every (pp, ep) rank holding it agrees)."""
@@ -115,6 +144,8 @@ def run_layout(model: ModelConfig, tp: int, pp: int, out_path: str,
         trainable = make_trainable(module, optimizer, "fp32")
         outputs = compute_outputs(trainable.chunks, local, MICRO_BATCH, head, model.vocab_size)
         result[head] = {name: _gather_to_rank0(value) for name, value in outputs.items()}
+        if model.moe.enabled and head == "lm":
+            result["routing"] = routing_checks(trainable.chunks, local, model)
         result[head]["metrics"] = train_step(trainable, local, MICRO_BATCH, loss, head,
                                              model.vocab_size)
         result[head]["weights"] = _merged_weights(module, model, parallel, head)

@@ -108,3 +108,26 @@ def test_experts_split_over_ranks_train_like_one_rank(tmp_path_factory, tp, pp, 
     (GPU)."""
     reference = layout_result(tmp_path_factory, MOE, 1, 1, 1)
     assert_same(layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep), reference)
+
+
+@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 1, 1), (1, 1, 2, 2), (1, 2, 2, 4)],
+                         ids=["one-rank", "EP2", "PP2EP2"])
+def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world):
+    """Routing replay (models/moe_routing.py, Megatron's RouterReplay) in the worlds above:
+    replaying the routes the routers took reproduces the log-probs; replaying every route moved
+    to the next expert is followed by every router (observed, not assumed) and changes the
+    log-probs exactly as on one rank; the MoE metrics are the same in every layout."""
+    one_rank = layout_result(tmp_path_factory, MOE, 1, 1, 1)["routing"]
+    routing = layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep)["routing"]
+    natural = routing["natural"]["logprobs"]
+    assert (routing["replayed"]["logprobs"] - natural).abs().max() <= 1e-6
+    moved_change = (routing["moved"]["logprobs"] - natural).abs().max().item()
+    print(f"moving every route to the next expert changes log-probs by up to {moved_change:.3f}")
+    assert moved_change > 1e-2
+    assert (routing["moved"]["logprobs"] - one_rank["moved"]["logprobs"]).abs().max() \
+        <= TOLERANCE
+    for name in ("replayed", "moved"):
+        assert routing[name]["followed"], name
+        assert routing[name]["metrics"]["moe/router_agreement"] == 1.0, name
+    for name, value in one_rank["natural"]["metrics"].items():
+        assert abs(routing["natural"]["metrics"][name] - value) <= 1e-6, name

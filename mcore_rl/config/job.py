@@ -190,9 +190,17 @@ def _moe_rl_errors(config: JobConfig) -> list[str]:
     ranks, every forward pass exchanges tokens among the EP ranks, so they must run the same
     number of them: generating on the actor (responses of different lengths) and token-budget
     micro-batches (a rank's count depends on its lengths) would leave one waiting."""
+    replay = config.rollout.routing_replay
     if not config.model.moe.enabled:
-        return []
+        return [f"rollout.routing_replay={replay} needs a Mixture-of-Experts model "
+                "(model.moe.num_experts > 0)"] if replay != "none" else []
     errors = []
+    if replay != "none" and config.parallel.sequence_parallel:
+        errors.append(f"rollout.routing_replay={replay} with sequence parallelism (MoE at "
+                      "tensor_model_parallel_size > 1) is not verified yet (docs/moe.md)")
+    if replay == "r3" and config.rollout.engine != "vllm":
+        errors.append("rollout.routing_replay=r3 replays the vLLM engine's routes: needs "
+                      "rollout.engine=vllm")
     if config.placement.split:
         errors.append(f"placement.rollout_ranks={config.placement.rollout_ranks}: split "
                       "placement with a Mixture-of-Experts model is not built yet (docs/moe.md)")

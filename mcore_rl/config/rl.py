@@ -21,6 +21,7 @@ OVERLONG_RESPONSES = ("keep", "filter", "penalty")
 IMPORTANCE_LEVELS = ("token", "sequence")
 IMPORTANCE_MODES = ("truncate", "mask")
 OLD_LOGPROB_SOURCES = ("trainer", "engine")
+ROUTING_REPLAYS = ("none", "r2", "r3")
 PARTIAL_ROLLOUTS = ("continue", "abort")
 WANDB_MISSING = ("trainer.wandb_project is set but wandb is not installed: pip install wandb "
                  "(or unset trainer.wandb_project)")
@@ -152,6 +153,14 @@ class RolloutConfig:
     importance_cap=0), where the two differ by the engine/trainer mismatch alone (a trainer
     run's rollout/logprob_mismatch metrics say how much)."""
 
+    routing_replay: str = "none"
+    """Mixture-of-Experts models: which expert routes the trainer's forward passes of a batch
+    use. none: the routers' own. r3: the engine's, for every token it computed (rollout routing
+    replay, arXiv 2510.11370), in the old-log-prob, reference and update passes. r2: those the
+    actor took in the old-log-prob pass, replayed by the reference and the updates (needs
+    old_logprobs=trainer). Either way the step logs moe/router_agreement: the share of
+    (token, layer, k) routes the trainer took that equal the engine's."""
+
     max_staleness: int = 0
     """Split placement: a sample trains at most this many policy versions after the version
     whose weights started it (the batch of step i is started with weights of version >= i - k;
@@ -212,6 +221,12 @@ class RolloutConfig:
         if self.old_logprobs not in OLD_LOGPROB_SOURCES:
             errors.append(f"rollout.old_logprobs={self.old_logprobs!r} must be one of "
                           f"{OLD_LOGPROB_SOURCES}")
+        if self.routing_replay not in ROUTING_REPLAYS:
+            errors.append(f"rollout.routing_replay={self.routing_replay!r} must be one of "
+                          f"{ROUTING_REPLAYS}")
+        if self.routing_replay == "r2" and self.old_logprobs != "trainer":
+            errors.append("rollout.routing_replay=r2 replays the routes of the old-log-prob "
+                          "pass, which rollout.old_logprobs=engine skips")
         if self.max_staleness < 0:
             errors.append(f"rollout.max_staleness={self.max_staleness} must be >= 0")
         if self.partial_rollout not in PARTIAL_ROLLOUTS:

@@ -62,11 +62,13 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
                 copy.copy_(original)
         reference = Reference(frozen, config.model.vocab_size, config.actor.micro_batch_size,
                               temperature, config.reference.offload,
-                              config.actor.max_tokens_per_micro_batch)
+                              config.actor.max_tokens_per_micro_batch, config.model,
+                              config.rollout.routing_replay)
     actor = Actor(make_trainable(policy, config.actor.optimizer, precision),
                   config.model.vocab_size, config.actor.micro_batch_size, config.algorithm,
                   temperature, config.rollout.importance_correction(),
-                  config.actor.max_tokens_per_micro_batch)
+                  config.actor.max_tokens_per_micro_batch, config.model,
+                  config.rollout.routing_replay)
     critic = None
     if config.algorithm.needs_critic:
         value_model = build_from_init(critic_init(config), config.model, config.parallel,
@@ -252,7 +254,7 @@ def build_vllm_engine(config: JobConfig, context: int, plan: ReshardPlan,
                         gpu_memory_utilization=rollout.gpu_memory_utilization,
                         cuda_graphs=rollout.cuda_graphs, sleep_level=rollout.sleep_level,
                         timeout_minutes=config.runtime.collective_timeout_minutes,
-                        weight_layout=weight_layout)
+                        weight_layout=weight_layout, capture_routes=config.model.moe.enabled)
     resharder = Resharder(plan, rollout.sync_bucket_mb * 2 ** 20, transport)
     if weight_layout == "vllm":
         engine.check_plan(plan.wanted_shapes(resharder.rank), plan.dtype)

@@ -145,17 +145,26 @@ def select_groups(rollouts: list[Rollout], kept: list[list[int]]) -> Rollout:
                    min(rollout.version for rollout in rollouts))
 
 
-def add_forward_passes(batch: dict, roles, old_logprobs: str = "trainer") -> None:
+def add_forward_passes(batch: dict, roles, old_logprobs: str = "trainer",
+                       routing_replay: str = "none") -> dict[str, float]:
     """Old log-probs (an actor forward pass, or the engine's: rollout.old_logprobs), reference
-    log-probs and old values (critic) of the batch."""
+    log-probs and old values (critic) of the batch. A Mixture-of-Experts actor's pass also
+    gives the step's MoE metrics (returned; identical on every rank) and, under r2, the routes
+    the later passes replay."""
+    metrics = {}
     if old_logprobs == "engine":
         batch["old_logprobs"] = batch["engine_logprobs"]
     else:
-        batch["old_logprobs"] = roles.actor.logprobs(batch)["logprobs"]
+        outputs = roles.actor.logprobs(batch)
+        batch["old_logprobs"] = outputs["logprobs"]
+        metrics = outputs.get("moe_metrics", {})
+        if routing_replay == "r2":
+            batch["routed_experts"] = outputs["routed_experts"]
     if roles.reference is not None:
         batch["ref_logprobs"] = roles.reference.logprobs(batch)
     if roles.critic is not None:
         batch["old_values"] = roles.critic.values(batch)
+    return metrics
 
 
 def add_advantages(batch: dict, algorithm: AlgorithmConfig, kl_controller: KLController,

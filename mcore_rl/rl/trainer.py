@@ -156,7 +156,10 @@ class Trainer:
                 baselines = self.scheduler.greedy_scores(rollout, self.step)
                 batch["reward_baselines"] = baselines[batch["group_ids"]]
         with timer("logprobs"):
-            add_forward_passes(batch, self.roles, self.config.rollout.old_logprobs)
+            moe_metrics = add_forward_passes(batch, self.roles, self.config.rollout.old_logprobs,
+                                             self.config.rollout.routing_replay)
+        for name, value in moe_metrics.items():  # global already: every rank adds the same
+            stats.add(name, torch.tensor([value]))
         with timer("advantages"):
             add_advantages(batch, self.config.algorithm, self.kl_controller, self.dp_group, stats)
         rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats,

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from mcore_rl.config.model import ModelConfig
 from mcore_rl.training import compute_outputs
 
-from .actor import scoring_inputs
+from .actor import replaying_routes, scoring_inputs
 
 
 class Reference:
     """A frozen Megatron policy (no optimizer, no DDP); optionally parked in CPU memory."""
 
     def __init__(self, module: torch.nn.Module, vocab_size: int, micro_batch_size: int,
-                 temperature: float, offload: bool, max_tokens: int = 0):
+                 temperature: float, offload: bool, max_tokens: int = 0,
+                 model: ModelConfig | None = None, routing_replay: str = "none"):
         """module: this rank's GPTModel stage holding the starting weights; max_tokens > 0:
-        token-budget micro-batches."""
+        token-budget micro-batches; model and routing_replay: as the actor's (a Mixture-of-
+        Experts reference replays the batch's routes too)."""
         for param in module.parameters():
             param.requires_grad_(False)
         self.module = module
@@ -23,6 +26,8 @@ class Reference:
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens
         self.temperature = temperature if temperature > 0 else 1.0
+        self.moe_model = model if model is not None and model.moe.enabled else None
+        self.routing_replay = routing_replay
         self.device = next(module.parameters()).device
         self.offload = offload and self.device.type != "cpu"
         if self.offload:
@@ -33,10 +38,12 @@ class Reference:
         of `micro_batch_size` rows when given, else the role's)."""
         if self.offload:
             self.module.to(self.device)
-        logprobs = compute_outputs([self.module], scoring_inputs(batch),
+        inputs = scoring_inputs(batch)
+        routing = replaying_routes(self.moe_model, self.routing_replay, batch, inputs)
+        logprobs = compute_outputs([self.module], inputs,
                                    micro_batch_size or self.micro_batch_size, "lm",
                                    self.vocab_size, self.temperature,
-                                   self.max_tokens)["logprobs"]
+                                   self.max_tokens, routing)["logprobs"]
         if self.offload:
             self.module.to("cpu")
         return logprobs

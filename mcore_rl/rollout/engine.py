@@ -18,11 +18,12 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
+from mcore_rl.models.moe_routing import NO_ROUTE
 
 class EngineError(RuntimeError):
     """An engine that could not start or run; raised on every rank of the engine's group."""
@@ -53,6 +54,11 @@ class Completion:
     one version of the weights, the first being the version that started the response (a
     partial rollout continued across weight updates has several). Empty: every token was
     sampled with the weights of the batch's version."""
+
+    routed_experts: Optional[torch.Tensor] = None
+    """Mixture-of-Experts models, where the engine reports them: the experts each token the
+    engine computed (the prompt and every response token but the last) went to in each MoE
+    layer, [prompt + response - 1, MoE layers, top-k] (models.moe_routing)."""
 
 
 @dataclass
@@ -95,8 +101,21 @@ class Generation:
             attention_mask[row, :len(tokens)] = 1
             response_mask[row, start:len(tokens)] = 1
             engine_logprobs[row, start:len(tokens)] = torch.tensor(completion.logprobs)
-        return {"input_ids": input_ids, "attention_mask": attention_mask,
-                "response_mask": response_mask, "engine_logprobs": engine_logprobs}
+        tensors = {"input_ids": input_ids, "attention_mask": attention_mask,
+                   "response_mask": response_mask, "engine_logprobs": engine_logprobs}
+        routes = [c.routed_experts for c in self.completions]
+        if routes and all(route is not None for route in routes):
+            tensors["routed_experts"] = _routes_by_row(routes, longest)
+        return tensors
+
+
+def _routes_by_row(routes: list[torch.Tensor], longest: int) -> torch.Tensor:
+    """Per-completion engine routes as the batch field ``routed_experts`` [n, longest, MoE
+    layers, k], -1 where the engine computed no route (the last token, padding)."""
+    result = torch.full((len(routes), longest, *routes[0].shape[1:]), NO_ROUTE, dtype=torch.int16)
+    for row, route in enumerate(routes):
+        result[row, :len(route)] = route
+    return result
 
 
 @dataclass(frozen=True)

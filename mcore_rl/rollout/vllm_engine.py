@@ -38,6 +38,7 @@ import tempfile
 import time
 import uuid
 from datetime import timedelta
+from functools import partial
 from typing import Iterable, Sequence
 
 import torch
@@ -47,6 +48,7 @@ from mcore_rl.config.model import ModelConfig
 from mcore_rl.config.rl import rollout_tp_errors
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.conversion.architectures import Architecture
+from mcore_rl.models.moe_routing import moe_layers
 from mcore_rl.resharding.delivery import hf_named
 from mcore_rl.resharding.layouts import VLLM_EXPERT_SLOT
 from mcore_rl.runtime import cpu_compat
@@ -73,7 +75,7 @@ class VllmEngine(RolloutEngine):
                  tokenizer_dir: str | None = None, dummy_weights: bool = True, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
                  sleep_level: int = 2, timeout_minutes: float = 10.0,
-                 weight_layout: str = "vllm"):
+                 weight_layout: str = "vllm", capture_routes: bool = False):
         """model_dir: an HF folder (config.json; weights only when dummy_weights=False).
         tokenizer_dir: needed for stop strings (None: vLLM starts without a tokenizer).
         dummy_weights: start from placeholder weights, to be replaced by update_weights before
@@ -81,7 +83,10 @@ class VllmEngine(RolloutEngine):
         the GPU, which must be free when the engine starts. cuda_graphs: capture CUDA graphs
         for decoding (GPUs only). sleep_level: vLLM's sleep level between generate phases
         (where the platform has a sleep mode). weight_layout: "vllm" (rollout-TP shards, what
-        the trainer sends) or "full" (diagnostic: full tensors on every rank)."""
+        the trainer sends) or "full" (diagnostic: full tensors on every rank). capture_routes:
+        a Mixture-of-Experts model's completions carry the experts each token went to
+        (`Completion.routed_experts`); the routers report them to Python hooks, which CUDA
+        graphs would skip, so decoding then runs without them."""
         if weight_layout not in ("vllm", "full"):
             raise ValueError(f"weight_layout={weight_layout!r} must be 'vllm' or 'full'")
         if weight_layout == "full" and model.moe.enabled:
@@ -121,12 +126,15 @@ class VllmEngine(RolloutEngine):
             distributed_executor_backend="external_launcher", max_model_len=context_length,
             load_format="dummy" if dummy_weights else "auto", seed=seed,
             logprobs_mode="processed_logprobs",
-            enforce_eager=not (cuda_graphs and torch.cuda.is_available()),
+            enforce_eager=capture_routes or not (cuda_graphs and torch.cuda.is_available()),
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=self._sleep_mode, enable_prefix_caching=False)
         raise_on_any_rank(problems, EngineError, "vLLM engine failed to start: ")
         if not torch.cuda.is_available():
             cpu_compat.reclaim_cuda_stand_ins()
+        self._moe_layers = moe_layers(model) if capture_routes and model.moe.enabled else []
+        if self._moe_layers:
+            self.llm.collective_rpc(_capture_routes, args=(self._moe_layers,))
 
     # -- generate --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
@@ -151,11 +159,14 @@ class VllmEngine(RolloutEngine):
              for index, each in enumerate(requests.samplings)],
             use_tqdm=_vllm_progress if progress_enabled() else False)
         mine = requests.mine
+        routes = self.llm.collective_rpc(_taken_routes)[0] if self._moe_layers else {}
         completions = [
             Completion(index - mine.start, sample, list(output.token_ids),
                        [entry[token].logprob for entry, token in zip(output.logprobs,
                                                                       output.token_ids)],
-                       "length" if output.finish_reason == "length" else "stop")
+                       "length" if output.finish_reason == "length" else "stop",
+                       routed_experts=routes.get((*requests.prompts[index],
+                                                  *output.token_ids[:-1])))
             for index in range(mine.start, mine.stop)
             for sample, output in enumerate(outputs[index].outputs)]
         return Generation.finished(completions, requests.prompts[mine], requests.truncated,
@@ -376,6 +387,63 @@ def _process_experts(module: torch.nn.Module, staged: dict[str, torch.Tensor]) -
     method.process_weights_after_loading(module)
     if staged:
         method.moe_kernel.fused_experts.process_weights_after_loading(module)
+
+
+class _RouteCapture:
+    """The experts vLLM's MoE routers send each token to, kept per engine step (a router's
+    capture callback, `BaseRouter.set_capture_fn`, gets the step's top-k expert ids; the
+    model runner's batch says which request and position each row is) and handed out by the
+    tokens a request fed: prompt + response[:-1] -> routes [tokens, MoE layers, k]."""
+
+    def __init__(self, runner, moe_layers: list[int]):
+        self.runner = runner
+        self.slots = {layer: slot for slot, layer in enumerate(moe_layers)}
+        self.steps: list[tuple] = []
+        """(request ids, row starts, token ids, positions, {slot: top-k ids}) per step."""
+
+    def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        slot = self.slots[layer]
+        if slot == 0:  # the step's first MoE layer: its batch
+            batch, runner = self.runner.input_batch, self.runner
+            starts = runner.query_start_loc.np[:batch.num_reqs + 1].copy()
+            rows = int(starts[-1])
+            self.steps.append((list(batch.req_ids), starts, runner.input_ids.cpu[:rows].tolist(),
+                               runner.positions[:rows].tolist(), {}))
+        rows = int(self.steps[-1][1][-1])
+        self.steps[-1][4][slot] = topk_ids[:rows].to("cpu", torch.int16)
+
+    def take(self) -> dict[tuple, torch.Tensor]:
+        """Routes of every request whose every token was seen, by its fed tokens; forgets all."""
+        by_request: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}
+        for request_ids, starts, tokens, positions, by_slot in self.steps:
+            routes = torch.stack([by_slot[slot] for slot in range(len(self.slots))], dim=1)
+            for index, request in enumerate(request_ids):
+                seen = by_request.setdefault(request, {})
+                for row in range(starts[index], starts[index + 1]):
+                    seen[positions[row]] = (tokens[row], routes[row])
+        self.steps = []
+        result = {}
+        for seen in by_request.values():
+            if len(seen) == max(seen) + 1:
+                ordered = [seen[position] for position in range(len(seen))]
+                result[tuple(token for token, _ in ordered)] = torch.stack(
+                    [route for _, route in ordered])
+        return result
+
+
+def _capture_routes(worker, moe_layers: list[int]) -> None:
+    """Hook a `_RouteCapture` to every MoE router of the worker's model."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    capture = _RouteCapture(worker.model_runner, moe_layers)
+    worker.mcore_rl_routes = capture
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(module, MoERunner):
+            module.router.set_capture_fn(partial(capture.capture, module.layer_id))
+
+
+def _taken_routes(worker) -> dict[tuple, torch.Tensor]:
+    return worker.mcore_rl_routes.take()
 
 
 def _refresh_tied_head(worker, tied_head: str | None) -> None:

@@ -24,7 +24,7 @@ token-mean, a sequence-mean or any other aggregation is exact whatever the layou
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Callable
 
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.logprobs import vocab_parallel_logprobs_and_entropy
+from ..models.moe_routing import RoutingPass
 from ..runtime.devices import collective_device, module_device, to_device
 from .batches import (Batch, align_to_tokens, check_batch, split_micro_batches,
                       token_budget_micro_batches)
@@ -92,13 +93,14 @@ def _output_layer_from(model, first: int):
 
 
 def _forward_step(head: str, vocab_size: int, temperature: float, loss_fn: LossFn | None,
-                  device: torch.device, data_iterator, model):
+                  device: torch.device, routing: RoutingPass | None, data_iterator, model):
     micro_batch = next(data_iterator)
     first = _first_output_position(micro_batch)  # before the copy: no device sync
     micro_batch = to_device(micro_batch, device)
     input_ids = micro_batch["input_ids"]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    with _output_layer_from(model, first):
+    routers = routing.micro_batch(model, micro_batch) if routing else nullcontext()
+    with _output_layer_from(model, first), routers:
         output = model(input_ids, positions, attention_mask=None)
 
     def loss_func(output_tensor, non_loss_data: bool = False):
@@ -131,7 +133,8 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
 
 
 def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_size: int,
-                  temperature: float, loss_fn: LossFn | None, forward_only: bool):
+                  temperature: float, loss_fn: LossFn | None, forward_only: bool,
+                  routing: RoutingPass | None = None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if head == "lm" and vocab_size is None:
@@ -142,7 +145,7 @@ def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_siz
     batch_size, seq_length = micro_batches[0]["input_ids"].shape
     return get_forward_backward_func()(
         forward_step_func=partial(_forward_step, head, vocab_size, temperature, loss_fn,
-                                  module_device(chunks[0])),
+                                  module_device(chunks[0]), routing),
         data_iterator=iter(micro_batches),
         model=chunks,
         num_microbatches=len(micro_batches),
@@ -168,18 +171,21 @@ def _broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device) -> to
 @torch.no_grad()
 def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str = "lm",
                     vocab_size: int | None = None, temperature: float = 1.0,
-                    max_tokens: int = 0) -> dict:
+                    max_tokens: int = 0, routing: RoutingPass | None = None) -> dict:
     """Forward-only per-token outputs for this rank's rows of `batch` (all PP stages get them).
     head="lm" gives {'logprobs', 'entropy'} (of logits / temperature); head="scalar" gives
     {'values'}; each [n, s] fp32. max_tokens > 0: token-budget micro-batches instead of
-    `micro_batch_size` rows."""
+    `micro_batch_size` rows. routing: what an MoE model's routers do in this pass (it then
+    also observes the routes by batch row)."""
     from megatron.core import parallel_state
 
     for chunk in chunks:
         chunk.eval()
+    if routing is not None and routing.observe:
+        batch = dict(batch, row_ids=torch.arange(batch["input_ids"].shape[0]))
     micro_batches, order = _micro_batches(chunks, batch, micro_batch_size, max_tokens)
     per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None,
-                                    True)
+                                    True, routing)
     names = ("values",) if head == "scalar" else ("logprobs", "entropy")
     shape = tuple(batch["input_ids"].shape)
     last_stage = parallel_state.is_pipeline_last_stage()
@@ -205,19 +211,21 @@ def _in_batch_order(outputs: list[torch.Tensor], order: torch.Tensor | None,
 
 def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
                head: str = "lm", vocab_size: int | None = None,
-               temperature: float = 1.0, max_tokens: int = 0) -> dict:
+               temperature: float = 1.0, max_tokens: int = 0,
+               routing: RoutingPass | None = None) -> dict:
     """One optimizer step on this rank's rows of `batch` (micro-batches of `micro_batch_size`
     rows, or of at most `max_tokens` tokens when > 0). Returns metrics identical on every
     rank: the global loss (sum of numerators / sum of denominators over DP), the loss function's
     metrics (mean over micro-batches and DP ranks), grad norm, LR, and whether the update was
-    skipped because the loss or a gradient was not finite (then nothing changes)."""
+    skipped because the loss or a gradient was not finite (then nothing changes). routing: what
+    an MoE model's routers do in this step (replay the batch's routes)."""
     for chunk in model.chunks:
         chunk.train()
         chunk.zero_grad_buffer()
     model.optimizer.zero_grad()
     micro_batches, _ = _micro_batches(model.chunks, batch, micro_batch_size, max_tokens)
     per_micro_batch = _run_schedule(model.chunks, micro_batches, head, vocab_size, temperature,
-                                    loss_fn, False)
+                                    loss_fn, False, routing)
     metrics = _reduce_metrics(per_micro_batch)
     finite = math.isfinite(metrics["loss"]) and _gradients_finite(model.chunks)
     updated, grad_norm = False, float("nan")

@@ -1,0 +1,191 @@
+"""What the Mixture-of-Experts routers of a model do in one pass: replay given routes, and report
+the routes they took.
+
+Why this exists
+---------------
+The engine and the trainer compute the same router logits up to rounding, so near-ties route
+some tokens to different experts in the two (arXiv 2510.11370 counts about 10% of router
+decisions per forward pass in bf16), and the policy the trainer scores is not the one that
+sampled. Routing replay feeds the trainer the engine's routes (r3) or the trainer's own routes
+from the old-log-prob pass (r2), in every forward pass of the batch.
+
+A batch carries routes as ``routed_experts`` [n, s, MoE layers, top-k] (the k experts of token
+(row, position) in each MoE layer, in model order; -1 where no route is given: a response's
+last token, which the engine never fed back, and padding). Megatron-Core's ``RouterReplay``
+holds one router's target routes; it is addressed here router by router, not through its
+process-wide instance list (which every model built in the process joins).
+
+Observing the routes taken (a forward hook on each router) gives the step's MoE metrics and,
+for r2, the routes to replay: the experts each token went to, the tokens each expert received,
+and the router's softmax (entropy, Switch-style load-balancing value).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config.model import ModelConfig
+
+NO_ROUTE = -1
+"""``routed_experts`` entry of a (token, layer) with no given route."""
+
+
+def moe_layers(model: ModelConfig) -> list[int]:
+    """Global indices of the layers that route to experts, in model order (the route slots)."""
+    return [layer for layer in range(model.num_layers) if model.moe.is_moe_layer(layer)]
+
+
+def local_routers(chunk, model: ModelConfig) -> list[tuple[int, torch.nn.Module]]:
+    """(route slot, router) of every MoE layer of this model chunk (this pipeline stage)."""
+    from megatron.core.utils import unwrap_model
+
+    slots = {layer: slot for slot, layer in enumerate(moe_layers(model))}
+    routers = []
+    for layer in unwrap_model(chunk).decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            routers.append((slots[layer.layer_number - 1], router))
+    return routers
+
+
+def _sequence_major(per_token: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """[b, s, ...] -> the router's token order [s_local * b, ...]: sequence-major, and with
+    sequence parallelism only this TP rank's chunk of the sequence."""
+    from megatron.core import parallel_state
+
+    tokens = per_token.transpose(0, 1)
+    if sequence_parallel:
+        size = parallel_state.get_tensor_model_parallel_world_size()
+        tokens = tokens.chunk(size)[parallel_state.get_tensor_model_parallel_rank()]
+    return tokens.reshape(-1, *per_token.shape[2:])
+
+
+def _batch_major(tokens: torch.Tensor, batch: int) -> torch.Tensor:
+    """The router's [s_local * b, ...] -> [b, s_local, ...]."""
+    return tokens.reshape(-1, batch, *tokens.shape[1:]).transpose(0, 1)
+
+
+class RoutingPass:
+    """The routers of one forward(-backward) pass over a batch: replay its ``routed_experts``
+    (when `replay`), and observe the routes taken (when `observe`): `routes()` then gives them
+    as a batch field, `metrics()` the pass's MoE metrics."""
+
+    def __init__(self, model: ModelConfig, replay: bool, observe: bool):
+        self.model, self.replay, self.observe = model, replay, observe
+        self.topk, self.experts = model.moe.router_topk, model.moe.num_experts
+        layers = len(moe_layers(model))
+        self._taken: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(batch rows, routes [b, s, layers, k]) of each observed micro-batch."""
+        self._tokens_per_expert = torch.zeros(layers, self.experts, dtype=torch.float64)
+        self._router_probs = torch.zeros(layers, self.experts, dtype=torch.float64)
+        self._entropy = torch.zeros(layers, dtype=torch.float64)
+        self._tokens = torch.zeros(layers, dtype=torch.float64)
+        self._agreeing = torch.zeros(2, dtype=torch.float64)
+        """(routes equal to the given ones, routes compared), over (token, layer, k)."""
+
+    @contextmanager
+    def micro_batch(self, chunk, micro_batch: dict) -> Iterator[None]:
+        """While open (around the model's forward on `micro_batch`), this chunk's routers
+        replay and are observed."""
+        routers = local_routers(chunk, self.model)
+        given = micro_batch.get("routed_experts")
+        taken = self._no_routes(*micro_batch["attention_mask"].shape) if self.observe else None
+        with ExitStack() as stack:
+            for slot, router in routers:
+                if self.replay:
+                    stack.enter_context(self._replaying(router, given[:, :, slot]))
+                if self.observe:
+                    handle = router.register_forward_hook(
+                        lambda module, args, output, slot=slot:
+                        self._observe(module, args[0], output[1], slot, micro_batch, given,
+                                      taken))
+                    stack.callback(handle.remove)
+            yield
+        if self.observe and "row_ids" in micro_batch:
+            self._taken.append((micro_batch["row_ids"].cpu(), taken))
+
+    @contextmanager
+    def _replaying(self, router, routes: torch.Tensor) -> Iterator[None]:
+        """`router` routes token (row, position) to routes[row, position] (-1: experts 0..k-1,
+        positions no output depends on)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        filler = torch.arange(self.topk, device=routes.device).expand_as(routes)
+        routes = torch.where(routes == NO_ROUTE, filler, routes.long())
+        replay = router.router_replay
+        replay.set_target_indices(_sequence_major(routes, router.config.sequence_parallel))
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            yield
+        finally:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+
+    @torch.no_grad()
+    def _observe(self, router, hidden: torch.Tensor, routing_map: torch.Tensor, slot: int,
+                 micro_batch: dict, given: torch.Tensor | None, taken_by_row: torch.Tensor
+                 ) -> None:
+        """Add one router's forward to the pass's figures, over the real tokens that have a
+        given route when routes are given (a replayed filler route is no router's choice);
+        keep its routes in `taken_by_row` [b, s, layers, k] (not under sequence parallelism:
+        a rank sees part of the sequence)."""
+        rows = micro_batch["attention_mask"].shape[0]
+        sequence_parallel = router.config.sequence_parallel
+        counted = _sequence_major(micro_batch["attention_mask"].bool(), sequence_parallel)
+        taken = routing_map.nonzero()[:, 1].view(-1, self.topk)
+        if given is not None:
+            engine = _sequence_major(given[:, :, slot].long(), sequence_parallel)
+            counted = counted & (engine[:, 0] != NO_ROUTE)
+            equal = (taken[:, :, None] == engine[:, None, :]).any(dim=-1)[counted]
+            self._agreeing += torch.tensor([equal.sum().item(), equal.numel()],
+                                           dtype=torch.float64)
+        probs = torch.softmax(router.gating(hidden).reshape(-1, self.experts).double(), dim=-1)
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
+        self._tokens_per_expert[slot] += routing_map[counted].sum(dim=0).double().cpu()
+        self._router_probs[slot] += probs[counted].sum(dim=0).cpu()
+        self._entropy[slot] += entropy[counted].sum().cpu()
+        self._tokens[slot] += counted.sum().cpu()
+        if not sequence_parallel:
+            taken_by_row[:, :, slot] = _batch_major(taken, rows).to(torch.int16).cpu()
+
+    def _no_routes(self, rows: int, length: int) -> torch.Tensor:
+        return torch.full((rows, length, len(moe_layers(self.model)), self.topk), NO_ROUTE,
+                          dtype=torch.int16)
+
+    def routes(self, rows: int, length: int) -> torch.Tensor:
+        """The observed routes as a batch field [rows, length, layers, k] (this stage's layers;
+        NO_ROUTE in the other stages' slots)."""
+        result = self._no_routes(rows, length)
+        for row_ids, taken in self._taken:
+            result[row_ids, :taken.shape[1]] = taken
+        return result
+
+    def metrics(self, device: torch.device) -> dict[str, float]:
+        """The pass's MoE metrics, over every rank (collective; identical everywhere):
+        moe/expert_load_max_mean (tokens of the busiest expert over the mean, averaged over
+        layers; 1 is perfectly balanced), moe/load_balancing (Switch: E x sum_i f_i P_i, 1 when
+        balanced), moe/router_entropy (nats, mean over tokens and layers) and, when routes
+        were given, moe/router_agreement (the fraction of (token, layer, k) routes taken that
+        equal the given ones)."""
+        totals = torch.cat([self._tokens_per_expert.flatten(), self._router_probs.flatten(),
+                            self._entropy, self._tokens, self._agreeing]).to(device)
+        dist.all_reduce(totals)
+        layers = len(self._tokens)
+        sizes = [layers * self.experts, layers * self.experts, layers, layers, 2]
+        load, probs, entropy, tokens, agreeing = totals.cpu().split(sizes)
+        load, probs = load.view(layers, -1), probs.view(layers, -1)
+        fraction = load / load.sum(dim=1, keepdim=True).clamp_min(1)
+        mean_prob = probs / tokens.clamp_min(1)[:, None]
+        metrics = {
+            "moe/expert_load_max_mean": float((load.max(dim=1).values
+                                               / load.mean(dim=1).clamp_min(1e-12)).mean()),
+            "moe/load_balancing": float((self.experts * (fraction * mean_prob).sum(1)).mean()),
+            "moe/router_entropy": float(entropy.sum() / tokens.sum().clamp_min(1)),
+        }
+        if agreeing[1] > 0:
+            metrics["moe/router_agreement"] = float(agreeing[0] / agreeing[1])
+        return metrics
