@@ -9,6 +9,8 @@
     mcore-rl convert mcore-to-hf --ckpt DIR --out PATH
     mcore-rl plan --model configs/models/llama3-70b.yaml --train-tp 8 --train-pp 4 \
         --rollout-tp 8 --gpus 64,256,1024
+    mcore-rl plan --model configs/models/qwen3-30b-a3b.yaml --train-tp 4 --train-ep 8 \
+        --rollout-tp 8 --gpus 32
     mcore-rl compare runs/a runs/b --output compare.png
     mcore-rl plot runs/a
     mcore-rl serve runs/quickstart/grpo/hf/step_60 --port 8000 [any vLLM serve flag]
@@ -71,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                       "(configs/models/*.yaml)")
     plan.add_argument("--train-tp", type=int, required=True, help="training tensor-parallel size")
     plan.add_argument("--train-pp", type=int, default=1, help="training pipeline-parallel size")
+    plan.add_argument("--train-ep", type=int, default=1,
+                      help="training expert-parallel size (MoE models; divides the DP size)")
     plan.add_argument("--rollout-tp", type=int, required=True, help="rollout tensor-parallel size")
     plan.add_argument("--gpus", required=True,
                       help="world size, or comma-separated world sizes for a table")
@@ -99,20 +103,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plan_errors(args, model, gpus: int) -> list[str]:
+    """What the plan's layout checks cannot say in the flags' own terms: a world that is not
+    whole training replicas, and expert parallelism on a model without experts."""
+    replica = args.train_tp * args.train_pp
+    errors = []
+    if gpus % replica:
+        errors.append(f"--gpus {gpus} is not a multiple of --train-tp x --train-pp = {replica}")
+    if args.train_ep < 1:
+        errors.append(f"--train-ep {args.train_ep} must be at least 1")
+    elif args.train_ep > 1 and not model.moe.enabled:
+        errors.append(f"--train-ep {args.train_ep} needs a Mixture-of-Experts model "
+                      "(model.moe.num_experts > 0); this one is dense")
+    return errors
+
+
 def _plan(args) -> None:
     from .resharding.dry_run import production_estimate, table_header, table_row
 
     model = load_config(args.model).model
     links = Links(args.gpus_per_node, args.intra_node_gbps, args.inter_node_gbps)
-    replica = args.train_tp * args.train_pp
     print("\n".join(table_header()))
     for gpus in (int(value) for value in args.gpus.split(",")):
-        if gpus % replica:
-            raise ValueError(f"--gpus {gpus} is not a multiple of --train-tp x --train-pp = "
-                             f"{replica}")
-        production = production_estimate(model, args.train_tp, args.train_pp, gpus // replica,
-                                         args.engine, args.rollout_tp, DTYPES[args.dtype],
-                                         links, int(args.bucket_mb * 1024 ** 2))
+        errors = _plan_errors(args, model, gpus)
+        if errors:
+            raise ValueError("; ".join(errors))
+        # The layouts' own rules (EP dividing the DP size and the experts, heads, vocabulary)
+        # raise PlanError, a ValueError: main prints it.
+        dp = gpus // (args.train_tp * args.train_pp)
+        production = production_estimate(model, args.train_tp, args.train_pp, dp, args.engine,
+                                         args.rollout_tp, DTYPES[args.dtype], links,
+                                         int(args.bucket_mb * 1024 ** 2), args.train_ep)
         print(table_row(production), flush=True)
 
 

@@ -44,7 +44,7 @@ def run_smoke(config: JobConfig) -> list[dict]:
 
     launch = read_launch_env()
     config = validate(with_model_from_init(config), launch.world_size)
-    errors = colocated_only_errors(config) + moe_job_errors(config)
+    errors = colocated_only_errors(config) + moe_job_errors(config, "smoke")
     if errors:
         raise ConfigError(errors[0])
     runtime = initialize(config, launch)

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from mcore_rl.config import ModelConfig
+from mcore_rl.config.model import MoEConfig
 from mcore_rl.param_layout import sharding
 
 # Large enough (2.2B parameters) that the table's two-decimal GiB resolve the counts; planning
@@ -39,9 +40,9 @@ def hand_count() -> tuple[int, int]:
     return lacking, full_gather
 
 
-def run_plan(tmp_path, *arguments):
+def run_plan(tmp_path, *arguments, model=MODEL):
     config = tmp_path / "model.yaml"
-    config.write_text(yaml.safe_dump({"model": MODEL}))
+    config.write_text(yaml.safe_dump({"model": model}))
     return subprocess.run([sys.executable, "-m", "mcore_rl", "plan", "--model", str(config),
                            *arguments], capture_output=True, text=True, timeout=300)
 
@@ -88,3 +89,46 @@ def test_plan_refuses_a_rollout_tp_the_heads_cannot_take(tmp_path):
     done = run_plan(tmp_path, "--train-tp", "2", "--rollout-tp", "3", "--gpus", "6")
     assert done.returncode == 2
     assert "num_attention_heads=64 must be divisible by tensor_model_parallel_size=3" in done.stderr
+
+
+# 8 experts of width 4096 in each of 2 layers: 0.8B expert parameters, so two-decimal GiB resolve
+# the counts; vocabulary 1024 again so no layout pads.
+MOE_MODEL = dict(MODEL, num_layers=2, hidden_size=4096, ffn_hidden_size=4096,
+                 num_attention_heads=32, moe=dict(num_experts=8, router_topk=2))
+
+
+def moe_hand_count() -> tuple[int, int]:
+    """(bytes a rank lacks, bytes full-gather sends it) for TP1 x DP4 with EP2 -> vLLM TP2: the
+    rank holds every non-expert tensor whole and its EP rank's 4 experts; its rollout half of
+    the other 4 experts is what it lacks, while full-gather sends those 4 experts whole."""
+    model = ModelConfig(**dict(MOE_MODEL, moe=MoEConfig(**MOE_MODEL["moe"])))
+    experts = sum(math.prod(shape) * BF16
+                  for name, shape in sharding.canonical_param_shapes(model).items()
+                  if sharding.expert_of(name) is not None)
+    return experts // 4, experts // 2
+
+
+def test_plan_counts_expert_parallel_training(tmp_path):
+    done = run_plan(tmp_path, "--train-tp", "1", "--train-ep", "2", "--rollout-tp", "2",
+                    "--gpus", "4", model=MOE_MODEL)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 4 |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[1] == "1x1x4xEP2"
+    ours, full, lower = (float(v) * 1024 ** 3 for v in cells[3].split(" / "))
+    lacking, full_gather = moe_hand_count()
+    assert ours == pytest.approx(lacking, abs=0.006 * 1024 ** 3)
+    assert lower == ours
+    assert full == pytest.approx(full_gather, abs=0.006 * 1024 ** 3)
+
+
+@pytest.mark.parametrize("model,ep,message", [
+    (MOE_MODEL, "3", "expert-parallel size 3 must divide the data-parallel size 4 and the 8 "
+                     "experts"),
+    (MODEL, "2", "--train-ep 2 needs a Mixture-of-Experts model"),
+], ids=["ep-not-dividing-dp", "ep-on-a-dense-model"])
+def test_plan_refuses_a_bad_expert_parallel_size(tmp_path, model, ep, message):
+    done = run_plan(tmp_path, "--train-tp", "1", "--train-ep", ep, "--rollout-tp", "2",
+                    "--gpus", "4", model=model)
+    assert done.returncode == 2
+    assert message in done.stderr

@@ -17,7 +17,7 @@ from mcore_rl.config import ModelConfig
 from mcore_rl.config.model import MoEConfig
 from mcore_rl.param_layout import sharding
 from mcore_rl.resharding import PlanError, TrainingLayout, build_plan, make_rollout_layout
-from mcore_rl.resharding.full_gather import full_gather_transfers
+from mcore_rl.resharding.full_gather import FullGatherSync, full_gather_transfers
 from mcore_rl.resharding.layouts import DEFAULT_ORDER
 from mcore_rl.resharding.plan import bucket_load, traffic_of
 from mcore_rl.resharding.rank_order import choose_training_order, tp_groups_within_nodes
@@ -293,3 +293,32 @@ def test_split_rollout_ranks_must_fit_the_rollout_tp():
     with pytest.raises(PlanError, match="rollout tensor-parallel size 2 must divide the world "
                                         "size 3"):
         make_rollout_layout(TrainingLayout(MODEL, 2, 1, 1), "vllm", 2, rollout_ranks=3)
+
+
+# The full gather ends with every rank holding every full tensor, and each message carries rows
+# its receiver lacks, so a rank receives exactly the full model less its training shard. Vocab
+# 1024 is padded by neither layout at TP 2: with padding, the baseline counts each TP rank
+# vocab/TP rows of the all-gather, not its unpadded share.
+EP_BASELINE_MODEL = dataclasses.replace(MOE_MODEL, vocab_size=1024)
+EP_BASELINE_LAYOUTS = [(1, 1, 4, DEFAULT_ORDER, 2), (2, 2, 2, DEFAULT_ORDER, 2),
+                       (1, 2, 4, ("pp", "tp", "dp"), 4), (2, 2, 2, DEFAULT_ORDER, 1)]
+
+
+@pytest.mark.parametrize("training_dims", EP_BASELINE_LAYOUTS,
+                         ids=[f"tp{t}pp{p}dp{d}-{'-'.join(o)}-ep{e}"
+                              for t, p, d, o, e in EP_BASELINE_LAYOUTS])
+def test_full_gather_baseline_receives_the_model_less_the_training_shard(training_dims):
+    layout = TrainingLayout(EP_BASELINE_MODEL, *training_dims)
+    full = reference_full_state(EP_BASELINE_MODEL)
+    model_elements = sum(tensor.numel() for tensor in full.values())
+    shards = training_shards(full, layout)
+    expected = [model_elements - sum(tensor.numel() for tensor in shards[rank].values())
+                for rank in range(layout.world_size)]
+    received = traffic_of(full_gather_transfers(layout), layout.world_size, 1).received
+    assert [int(count) for count in received] == expected
+
+
+def test_executed_full_gather_refuses_expert_parallelism():
+    layout = TrainingLayout(EP_BASELINE_MODEL, 1, 1, 4, DEFAULT_ORDER, 2)
+    with pytest.raises(ValueError, match="expert parallelism"):
+        FullGatherSync(layout, make_rollout_layout(layout, "vllm", 2))

@@ -1,5 +1,6 @@
 """Supervised fine-tuning: the demonstration files' rules, the loss mask, and `mcore-rl sft` at
-TP2 x DP2 against HF transformers trained with torch's Adam on the same examples."""
+TP2 x DP2 (a Llama) and with experts split over 2 ranks (a Qwen3-MoE) against HF transformers
+trained with torch's Adam on the same examples."""
 
 import json
 import os
@@ -180,3 +181,78 @@ def test_sft_command_matches_hf_with_torch_adam_at_tp2_dp2(tmp_path, tokenizer):
                            env=dict(os.environ, MASTER_PORT="29572"))
     assert again.returncode == 2, again.stderr[-2000:]
     assert f"runtime.output_dir={out} already holds an SFT run" in again.stderr
+
+
+def hf_loss(hf_folder, state_dict, tokenizer, demonstrations) -> float:
+    """Token-mean NLL of the responses and <eos> under transformers with `state_dict`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_folder, torch_dtype=torch.float32)
+    model.load_state_dict(state_dict)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for prompt, response in demonstrations:
+            prompt_ids = tokenizer(prompt)["input_ids"]
+            ids = prompt_ids + tokenizer(response)["input_ids"] + [tokenizer.eos_token_id]
+            logprobs = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+            picked = logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+            total -= picked[len(prompt_ids) - 1:].sum().item()
+            count += len(ids) - len(prompt_ids)
+    return total / count
+
+
+def write_tiny_qwen3_moe(folder: str) -> str:
+    """Qwen3-MoE (a dense first layer, then 4 experts, top-2 renormalised) with random weights
+    and the quickstart's word tokenizer, as an HF folder."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(VOCABULARY), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[0], tie_word_embeddings=False, pad_token_id=VOCABULARY.index("<pad>"),
+        eos_token_id=VOCABULARY.index("<eos>"), bos_token_id=None)
+    torch.manual_seed(5)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    write_word_tokenizer(folder, VOCABULARY)
+    return folder
+
+
+def test_sft_of_a_moe_model_with_experts_split_matches_hf(tmp_path, tokenizer):
+    """`mcore-rl sft` of a Qwen3-MoE at EP2 (each rank holds 2 of the 4 experts, tokens travel
+    all-to-all) equals transformers' own MoE trained with torch Adam: losses, gradient norms
+    and the exported weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf_init = write_tiny_qwen3_moe(str(tmp_path / "hf_init"))
+    demos = write_rows(tmp_path / "demos.jsonl",
+                       [{"prompt": p, "response": r} for p, r in DEMONSTRATIONS])
+    # 5 held-out examples: 3 on one rank, 2 on the other, yet both run 2 micro-batches.
+    held_out = write_rows(tmp_path / "held_out.jsonl",
+                          [{"prompt": p, "response": r} for p, r in DEMONSTRATIONS[:5]])
+    lr, eps, steps = 1e-2, 1e-5, 2  # as above
+    out = tmp_path / "sft"
+    done = run("sft", f"init.hf_path={hf_init}", f"sft.train_files=[{demos}]",
+               f"sft.val_files=[{held_out}]", f"sft.epochs={steps}",
+               f"sft.batch_size={len(DEMONSTRATIONS)}", "sft.micro_batch_size=2",
+               f"sft.optimizer.lr={lr}", f"sft.optimizer.adam_eps={eps}",
+               "sft.optimizer.clip_grad=0", "sft.max_length=32", f"runtime.output_dir={out}",
+               "parallel.expert_model_parallel_size=2", ranks=2, port=29573)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    losses, grad_norms, reference = hf_reference(hf_init, tokenizer, lr, eps, steps)
+    logged = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    trained = [line for line in logged if "sft/loss" in line]
+    assert [line["sft/loss"] for line in trained] == pytest.approx(losses, rel=1e-5)
+    assert [line["sft/grad_norm"] for line in trained] == pytest.approx(grad_norms, rel=1e-4)
+    final_val_loss = [json.loads(line) for line in open(out / "eval.jsonl")][-1]["sft/val_loss"]
+    assert final_val_loss == pytest.approx(
+        hf_loss(hf_init, reference, tokenizer, DEMONSTRATIONS[:5]), rel=1e-5)
+    exported = tmp_path / "hf_out"
+    done = subprocess.run([sys.executable, "-m", "mcore_rl", "convert", "mcore-to-hf", "--ckpt",
+                           str(out / "model"), "--out", str(exported)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = AutoModelForCausalLM.from_pretrained(exported, torch_dtype=torch.float32)
+    for name, tensor in weights.state_dict().items():
+        assert torch.allclose(tensor, reference[name], atol=1e-4), name

@@ -33,22 +33,34 @@ def build_from_init(init: InitConfig, model: ModelConfig, parallel: ParallelConf
 def check_replicas_identical(module: torch.nn.Module) -> None:
     """Raise on every rank when the data-parallel replicas of this stage differ: gradients
     are averaged over DP, so replicas that start apart (an RNG seeded differently on one
-    rank, a partial load) would train different models without any error."""
-    import torch.distributed as dist
+    rank, a partial load) would train different models without any error. A Mixture-of-Experts
+    model's experts are compared over their own replicas (Megatron's expert data-parallel
+    group): the DP ranks of different EP ranks hold different experts."""
     from megatron.core import parallel_state
 
-    group = parallel_state.get_data_parallel_group()
-    if dist.get_world_size(group) == 1:
-        return
+    expert = [param for param in module.parameters() if not getattr(param, "allreduce", True)]
+    dense = [param for param in module.parameters() if getattr(param, "allreduce", True)]
+    differ = _replicas_differ(dense, parallel_state.get_data_parallel_group())
+    if expert:
+        differ |= _replicas_differ(expert, parallel_state.get_expert_data_parallel_group())
+    if differ:
+        raise RuntimeError("the data-parallel replicas of the model start from different "
+                           "weights (seeding or loading differs between ranks)")
+
+
+def _replicas_differ(params: list[torch.Tensor], group) -> bool:
+    """Whether `params` (sums and sums of squares) differ between the ranks of `group`."""
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) == 1 or not params:
+        return False
     device = collective_device(group)
-    digest = torch.stack([statistic for param in module.parameters()
+    digest = torch.stack([statistic for param in params
                           for statistic in (param.double().sum(), param.double().square().sum())])
     low, high = digest.to(device), digest.to(device).clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(low, high):
-        raise RuntimeError("the data-parallel replicas of the model start from different "
-                           "weights (seeding or loading differs between ranks)")
+    return not torch.equal(low, high)
 
 
 @torch.no_grad()

@@ -78,6 +78,8 @@ Megatron also creates ``output_layer.weight`` on the last stage, a copy of the e
 
 from __future__ import annotations
 
+import functools
+
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -262,7 +264,13 @@ def full_shape(name: str, model: ModelConfig) -> tuple:
 def canonical_param_shapes(model: ModelConfig, head: str = "lm") -> dict[str, tuple]:
     """Every parameter of the canonical full model -> its shape, in the order of Megatron's
     ``named_parameters()`` at TP=1, PP=1 (embedding, layers, final norm, then the untied LM head
-    or the scalar head)."""
+    or the scalar head). A new dict each call, built once per model: planning a 235B MoE asks
+    for its ~24k names hundreds of times."""
+    return dict(_canonical_param_shapes(model, head))
+
+
+@functools.lru_cache(maxsize=64)
+def _canonical_param_shapes(model: ModelConfig, head: str) -> dict[str, tuple]:
     if head not in HEADS:
         raise ValueError(f"head={head!r} must be one of {HEADS}")
     shapes = {EMBEDDING: full_shape(EMBEDDING, model)}

@@ -5,8 +5,8 @@ For a model config and both layouts, three strategies are compared:
 * ``ours``: the plan mcore_rl executes (plan.py), in the training rank order `mcore-rl train`
   chooses (rank_order.py; Megatron's default order's figure is shown beside it);
 * ``full-gather``: what verl, slime and NeMo-RL's colocated path do (full_gather.py): TP
-  all-gather on the owning stage, then a broadcast through the pipeline; every rank gets every
-  full tensor and slices it;
+  all-gather on the owning stage (an expert's tensor: plus an all-gather over the expert-parallel
+  ranks), then a broadcast through the pipeline; every rank gets every full tensor and slices it;
 * ``lower bound``: each rank receives exactly the bytes of its rollout shard it does not hold.
 
 Time is a link model, not a measurement: a rank's bytes to and from ranks on its node move at
@@ -115,18 +115,18 @@ class Production:
 
 def production_estimate(model, tp: int, pp: int, dp: int, engine: str, rollout_tp: int,
                         dtype: torch.dtype, links: Links = Links(),
-                        bucket_bytes: int = 512 * 1024 ** 2) -> Production:
+                        bucket_bytes: int = 512 * 1024 ** 2, ep: int = 1) -> Production:
     """The estimates for the training rank order the trainer picks (for vLLM; other engines
-    keep Megatron's default order and plan their own grouping)."""
+    keep Megatron's default order and plan their own grouping). ep: expert-parallel size."""
     order = DEFAULT_ORDER
     if engine == "vllm":
-        order = choose_training_order(model, tp, pp, dp, rollout_tp, links.gpus_per_node)
-    training = TrainingLayout(model, tp, pp, dp, order)
+        order = choose_training_order(model, tp, pp, dp, rollout_tp, links.gpus_per_node, ep)
+    training = TrainingLayout(model, tp, pp, dp, order, ep)
     rollout, estimates = estimate(training, engine, rollout_tp, dtype, links, bucket_bytes)
     default_received = estimates[0].max_received
     if order != DEFAULT_ORDER:
-        default_received = estimate(TrainingLayout(model, tp, pp, dp), engine, rollout_tp, dtype,
-                                    links, bucket_bytes)[1][0].max_received
+        default_received = estimate(TrainingLayout(model, tp, pp, dp, DEFAULT_ORDER, ep), engine,
+                                    rollout_tp, dtype, links, bucket_bytes)[1][0].max_received
     return Production(training, rollout, estimates, default_received)
 
 
@@ -135,16 +135,27 @@ def _gib(value: float) -> str:
 
 
 def table_header() -> list[str]:
-    return ["| GPUs | training TPxPPxDP | rollout TPxDP | max GiB received: ours / full-gather "
-            "/ lower bound | ours / full-gather | est. s: ours / full-gather | peak extra GiB: "
-            "ours / full-gather | rank order | ours with Megatron's default order: max GiB |",
+    """The table's header lines (Markdown); the training layout column is TPxPPxDP, with xEP
+    appended when experts are split over expert-parallel ranks."""
+    return ["| GPUs | training TPxPPxDP[xEP] | rollout TPxDP | max GiB received: ours / "
+            "full-gather / lower bound | ours / full-gather | est. s: ours / full-gather | "
+            "peak extra GiB: ours / full-gather | rank order | ours with Megatron's default "
+            "order: max GiB |",
             "|---:|---|---|---|---:|---|---|---|---:|"]
 
 
+def _training_dims(training: TrainingLayout) -> str:
+    """TPxPPxDP, plus xEP<n> when expert parallelism splits the experts (so dense and EP-1
+    rows read as before)."""
+    dims = f"{training.tp}x{training.pp}x{training.dp}"
+    return dims + (f"xEP{training.ep}" if training.ep > 1 else "")
+
+
 def table_row(production: Production) -> str:
+    """One Markdown row of `table_header`'s table."""
     training, rollout = production.training, production.rollout
     ours, full, lower = production.estimates
-    return (f"| {training.world_size} | {training.tp}x{training.pp}x{training.dp} | "
+    return (f"| {training.world_size} | {_training_dims(training)} | "
             f"{rollout.tp}x{rollout.dp} | {_gib(ours.max_received)} / "
             f"{_gib(full.max_received)} / {_gib(lower.max_received)} | "
             f"{ours.max_received / full.max_received:.2f} | "

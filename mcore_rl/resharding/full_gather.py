@@ -1,10 +1,12 @@
 """The full-gather weight sync that verl, slime and NeMo-RL's colocated path use: the baseline.
 
 For each parameter, the ranks of the pipeline stage that owns it all-gather their TP shards into
-the full tensor, the full tensor is broadcast along each pipeline group, and every rank slices
-what its engine needs. Every rank thus receives about the whole model. It lives here so the
-benchmark can time it against our plan in the same process and the dry-run planner can count
-its bytes; nothing in the training loop uses it.
+the full tensor (an expert's tensor: the ranks of the owning stage whose expert-parallel rank
+holds it, and each other rank of the stage receives it whole from its EP group), the full tensor
+is broadcast along each pipeline group, and every rank slices what its engine needs. Every rank
+thus receives about the whole model. It lives here so the benchmark can time it against our plan
+in the same process and the dry-run planner can count its bytes; nothing in the training loop
+uses it.
 """
 
 from __future__ import annotations
@@ -22,22 +24,55 @@ from .plan import ParamPlan, Transfer
 
 
 def _owner_stage(training: TrainingLayout, source: str) -> int:
+    """The pipeline stage holding ``source``: where its gather starts."""
     return sharding.to_local_name(source, training.model, training.pp)[0]
 
 
-def _full_gather_runs(training: TrainingLayout, owner: int, full_rows: int,
-                      replicated: bool) -> tuple[Transfer, ...]:
-    """Messages of one parameter owned by stage ``owner``: the TP all-gather on that stage
-    (skipped for replicated tensors), then a chain broadcast through the other stages."""
+def _owner_ep_rank(training: TrainingLayout, source: str) -> int | None:
+    """The expert-parallel rank holding expert tensor ``source`` (None for other tensors, which
+    every data-parallel rank holds): it decides who all-gathers it and who receives it whole."""
+    expert = sharding.expert_of(source)
+    if expert is None:
+        return None
+    return expert // sharding.experts_per_rank(training.model, training.ep)
+
+
+def _holder_dp_rank(training: TrainingLayout, dp_rank: int, owner_ep: int | None) -> int:
+    """The data-parallel index whose ranks hold the tensor for ``dp_rank``: itself, or for an
+    expert held elsewhere the member of its expert-parallel group (consecutive DP indices,
+    Megatron's order) with the owning EP rank."""
+    if owner_ep is None:
+        return dp_rank
+    return dp_rank - dp_rank % training.ep + owner_ep
+
+
+def _gathered_runs(training: TrainingLayout, owner: int, dp_rank: int, tp_rank: int,
+                   full_rows: int, replicated: bool, owner_ep: int | None) -> list[Transfer]:
+    """How rank (tp_rank, owner, dp_rank) gets the full tensor on the owning stage: the other
+    TP ranks' shards (TP all-gather) if its DP index holds the tensor, else the whole tensor from
+    the holder at its TP rank (EP all-gather); nothing for a replicated tensor it holds."""
+    dst = training.rank_of(tp_rank, owner, dp_rank)
+    holder = _holder_dp_rank(training, dp_rank, owner_ep)
+    if holder != dp_rank:
+        return [Transfer(training.rank_of(tp_rank, owner, holder), dst, 0, 0, full_rows)]
+    if replicated:
+        return []
     shard_rows = full_rows // training.tp
+    return [Transfer(training.rank_of(other, owner, dp_rank), dst, 0, 0, shard_rows)
+            for other in range(training.tp) if other != tp_rank]
+
+
+def _full_gather_runs(training: TrainingLayout, owner: int, full_rows: int,
+                      replicated: bool, owner_ep: int | None) -> tuple[Transfer, ...]:
+    """Messages of one parameter owned by stage ``owner`` (and, for an expert, EP rank
+    ``owner_ep``): every rank of that stage gathers the full tensor (`_gathered_runs`), then it
+    is chain-broadcast through the other stages of each pipeline group."""
     chain = [(owner + step) % training.pp for step in range(training.pp)]
     runs = []
     for dp_rank in range(training.dp):
         for tp_rank in range(training.tp):
-            dst = training.rank_of(tp_rank, owner, dp_rank)
-            if not replicated:
-                runs += [Transfer(training.rank_of(other, owner, dp_rank), dst, 0, 0, shard_rows)
-                         for other in range(training.tp) if other != tp_rank]
+            runs += _gathered_runs(training, owner, dp_rank, tp_rank, full_rows, replicated,
+                                   owner_ep)
             runs += [Transfer(training.rank_of(tp_rank, sender, dp_rank),
                               training.rank_of(tp_rank, receiver, dp_rank), 0, 0, full_rows)
                      for sender, receiver in zip(chain, chain[1:])]
@@ -47,24 +82,32 @@ def _full_gather_runs(training: TrainingLayout, owner: int, full_rows: int,
 def full_gather_transfers(training: TrainingLayout) -> list[ParamPlan]:
     """The messages of the full-gather sync, per parameter, for byte accounting: a ring
     all-gather within the owning stage's TP groups (each rank receives the other TP ranks'
-    shards), then a chain broadcast of the full tensor through the other stages of each pipeline
-    group. Offsets are not meaningful."""
+    shards); for an expert, every rank of that stage whose EP rank lacks it receiving the full
+    tensor from its EP group (EP all-gather); then a chain broadcast of the full tensor through
+    the other stages of each pipeline group. Parameters with one geometry share one tuple of
+    messages (what keeps `traffic_of` fast). Offsets are not meaningful."""
     plans, cache = [], {}
     for source, shape in sharding.canonical_param_shapes(training.model).items():
         owner = _owner_stage(training, source)
         replicated = sharding.shard_kind(source) is sharding.ShardKind.REPLICATED
+        owner_ep = _owner_ep_rank(training, source)
         dim = split_dim(source)
-        key = (owner, shape, replicated)
+        key = (owner, shape, replicated, owner_ep)
         if key not in cache:
-            cache[key] = _full_gather_runs(training, owner, shape[dim], replicated)
+            cache[key] = _full_gather_runs(training, owner, shape[dim], replicated, owner_ep)
         plans.append(ParamPlan(source, shape, dim, cache[key], ()))
     return plans
 
 
 class FullGatherSync:
-    """Executes the full-gather sync with torch.distributed collectives (benchmark baseline)."""
+    """Executes the full-gather sync with torch.distributed collectives (benchmark baseline;
+    without expert parallelism)."""
 
     def __init__(self, training: TrainingLayout, rollout: RolloutLayout):
+        if training.ep > 1:
+            raise ValueError("FullGatherSync runs the dense full gather only: expert "
+                             f"parallelism (training ep={training.ep}) is not supported; "
+                             "full_gather_transfers counts its bytes")
         self.training, self.rollout = training, rollout
         self.rank = dist.get_rank()
         self.tp_rank, self.pp_rank, self.dp_rank = training.coordinates(self.rank)

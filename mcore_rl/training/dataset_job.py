@@ -112,7 +112,9 @@ def data_parallel_sums(count: int, micro_batch_size: int, width: int,
                        sums_of: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
     """Sum over micro-batches and data-parallel ranks of `sums_of(indices)` (a vector of
     `width` numbers), each DP rank taking every dp_size-th of the `count` examples
-    (collective)."""
+    (collective). Every rank runs the same number of micro-batches (a Mixture-of-Experts
+    layer with experts split over ranks exchanges tokens in each forward pass): a rank out of
+    examples scores its first ones again and adds nothing."""
     from megatron.core import parallel_state
 
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -121,7 +123,10 @@ def data_parallel_sums(count: int, micro_batch_size: int, width: int,
     device = collective_device(group)
     rows = list(range(dp_rank, count, dp_size))
     totals = torch.zeros(width, dtype=torch.float64, device=device)
-    for start in range(0, len(rows), micro_batch_size):
-        totals += sums_of(rows[start:start + micro_batch_size]).double().to(device)
+    most_rows = -(-count // dp_size)
+    for start in range(0, most_rows, micro_batch_size):
+        mine = rows[start:start + micro_batch_size]
+        sums = sums_of(mine or rows[:micro_batch_size] or [0]).double().to(device)
+        totals += sums if mine else 0 * sums
     dist.all_reduce(totals, group=group)
     return totals
