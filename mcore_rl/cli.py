@@ -5,7 +5,7 @@
     mcore-rl rm --config configs/quickstart/rm.yaml rm.epochs=2
     mcore-rl dpo --config configs/quickstart/dpo.yaml dpo.beta=0.2
     mcore-rl smoke --config configs/smoke.yaml parallel.tensor_model_parallel_size=2
-    mcore-rl convert hf-to-mcore --hf PATH --out DIR --tp N --pp M
+    mcore-rl convert hf-to-mcore --hf PATH --out DIR --tp N --pp M [--ep E]
     mcore-rl convert mcore-to-hf --ckpt DIR --out PATH
     mcore-rl plan --model configs/models/llama3-70b.yaml --train-tp 8 --train-pp 4 \
         --rollout-tp 8 --gpus 64,256,1024
@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--out", required=True, help="checkpoint directory to create")
     to_mcore.add_argument("--tp", type=int, default=1, help="target tensor-parallel size")
     to_mcore.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size")
+    to_mcore.add_argument("--ep", type=int, default=1,
+                          help="target expert-parallel size (MoE): with tp x pp x ep processes, "
+                          "each reads only its experts")
     to_hf = directions.add_parser("mcore-to-hf", help="mcore_rl checkpoint -> HF folder")
     to_hf.add_argument("--ckpt", required=True, help="mcore_rl checkpoint directory")
     to_hf.add_argument("--out", required=True, help="HF folder to create")
@@ -145,7 +148,7 @@ def _convert(args) -> None:
     start_process_group()
     start = time.perf_counter()
     if args.direction == "hf-to-mcore":
-        convert_hf_to_mcore(args.hf, args.out, args.tp, args.pp)
+        convert_hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep)
     else:
         convert_mcore_to_hf(args.ckpt, args.out, args.architecture,
                             int(args.max_file_gb * 1024 ** 3))

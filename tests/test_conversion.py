@@ -172,6 +172,27 @@ def test_conversion_under_a_world_of_four(converted, tmp_path):
     assert all(torch.equal(original[name], exported[name]) for name in original)
 
 
+def _convert_experts_split(hf_dir, ckpt, back):
+    from mcore_rl.conversion.hf_to_mcore import convert_hf_to_mcore
+    from mcore_rl.conversion.mcore_to_hf import convert_mcore_to_hf
+    from mcore_rl.runtime import start_process_group
+
+    start_process_group(timeout_minutes=3)
+    convert_hf_to_mcore(hf_dir, ckpt, tp=2, pp=1, ep=2)
+    convert_mcore_to_hf(ckpt, back, max_file_bytes=20_000)
+
+
+def test_conversion_with_experts_split_over_ranks(converted, tmp_path):
+    """`convert hf-to-mcore --tp 2 --ep 2` on 4 ranks (each reading its TP half of 2 of the 4
+    experts) and back: bit-identical to the HF folder."""
+    hf_dir = converted["qwen2_moe"][0]
+    ckpt, back = str(tmp_path / "mcore"), str(tmp_path / "hf")
+    run_world(4, _convert_experts_split, hf_dir, ckpt, back)
+    original, exported = hf_state(hf_dir), hf_state(back)
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[name], exported[name]) for name in original)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

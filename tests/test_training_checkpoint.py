@@ -1,6 +1,6 @@
 """Training-state checkpoints: a run killed with SIGKILL and resumed from its newest complete
 checkpoint continues bitwise like an uninterrupted run (actor with the distributed optimizer,
-critic with the plain one, DP2 and TP2 worlds of 2 CPU ranks); interrupted saves are ignored
+critic with the plain one, DP2, TP2 and EP2 worlds of 2 CPU ranks); interrupted saves are ignored
 and only the newest `keep_last` checkpoints are kept."""
 
 import json
@@ -23,9 +23,9 @@ def _records(out) -> list:
             for rank in range(2)]
 
 
-def _world(tp, root, out, resume=False, save_steps=(), kill_at=0, actor_from=1):
+def _world(tp, root, out, resume=False, save_steps=(), kill_at=0, actor_from=1, ep=1):
     os.makedirs(out, exist_ok=True)
-    run_world(2, run, tp, str(root), str(out), resume, save_steps, kill_at, actor_from)
+    run_world(2, run, tp, str(root), str(out), resume, save_steps, kill_at, actor_from, ep)
     return _records(out)
 
 
@@ -84,6 +84,24 @@ def test_resumes_bitwise_at_tp2_during_critic_warmup(tmp_path):
         assert resumed[rank]["loaded"] == (
             1, dict(trainer_state(1), rank_state={"rank": rank, "step": 1}))
         _assert_bitwise(resumed[rank], reference[rank], first_step=2)
+
+
+def test_moe_with_experts_split_resumes_bitwise_and_only_at_its_ep(tmp_path):
+    """EP2: each rank holds half of the experts and their optimizer state (Megatron's expert
+    optimizer beside the dense one); the checkpoint records EP, so a resume at EP1 is refused
+    by name instead of failing on the optimizer's keys."""
+    root = tmp_path / "run"
+    reference = _world(1, root, tmp_path / "reference_out", save_steps=(1,), ep=2)
+    layout = _marker(root, 1)["layout"]
+    assert layout["expert_model_parallel_size"] == 2
+    resumed = _world(1, root, tmp_path / "resumed_out", resume=True, ep=2)
+    for rank in range(2):
+        _assert_bitwise(resumed[rank], reference[rank], first_step=2)
+    without_ep = {name: value for name, value in layout.items()
+                  if name != "expert_model_parallel_size"}
+    problems = compatibility_problems(str(root / checkpoint_name(1)), _marker(root, 1),
+                                      ["actor", "critic"], without_ep)
+    assert "a training-state checkpoint resumes only in the layout that saved it" in problems[0]
 
 
 def test_latest_checkpoint_ignores_incomplete_and_unmarked(tmp_path):

@@ -10,6 +10,8 @@ local parameters to `<out>/rank_<r>.pt`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import random
 import signal
@@ -20,14 +22,16 @@ import torch.distributed as dist
 
 from mcore_rl.training import checkpointer as training_state
 from mcore_rl.training.checkpointer import load_latest_training_state, save_training_state
-from mcore_rl.config import (BatchConfig, JobConfig, ModelConfig, OptimizerConfig,
-                             ParallelConfig, RuntimeConfig)
+from mcore_rl.config import (BatchConfig, JobConfig, ModelConfig, MoEConfig,
+                             OptimizerConfig, ParallelConfig, RuntimeConfig)
 from mcore_rl.models import build_gpt_model
 from mcore_rl.runtime import initialize, shutdown
 from mcore_rl.training import make_trainable, shard_for_data_parallel, train_step
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                     num_kv_heads=2, vocab_size=128, max_position_embeddings=64)
+MOE_MODEL = dataclasses.replace(MODEL, moe=MoEConfig(num_experts=4, ffn_hidden_size=32))
+"""The model with experts split over the ranks when EP > 1."""
 ACTOR_OPTIMIZER = OptimizerConfig(lr=1e-3, lr_warmup_steps=1, lr_decay_steps=4,
                                   lr_decay_style="cosine", min_lr=1e-4, weight_decay=0.01,
                                   use_distributed_optimizer=True)
@@ -38,8 +42,10 @@ KEEP_LAST = 2
 CONFIG_YAML = "model:\n  num_layers: 2\n"
 
 
-def job_config(tp: int) -> JobConfig:
-    return JobConfig(model=MODEL, parallel=ParallelConfig(tensor_model_parallel_size=tp),
+def job_config(tp: int, ep: int = 1) -> JobConfig:
+    return JobConfig(model=MOE_MODEL if ep > 1 else MODEL,
+                     parallel=ParallelConfig(tensor_model_parallel_size=tp,
+                                             expert_model_parallel_size=ep),
                      optimizer=ACTOR_OPTIMIZER,
                      batch=BatchConfig(global_batch_size=4, micro_batch_size=1, seq_length=16),
                      runtime=RuntimeConfig(seed=7))
@@ -69,8 +75,8 @@ def value_loss(outputs: dict, micro_batch: dict):
 
 
 def build_models(config: JobConfig) -> dict:
-    actor = build_gpt_model(MODEL, config.parallel, "fp32", head="lm")
-    critic = build_gpt_model(MODEL, config.parallel, "fp32", head="scalar")
+    actor = build_gpt_model(config.model, config.parallel, "fp32", head="lm")
+    critic = build_gpt_model(config.model, config.parallel, "fp32", head="scalar")
     return {"actor": make_trainable(actor, ACTOR_OPTIMIZER, "fp32"),
             "critic": make_trainable(critic, CRITIC_OPTIMIZER, "fp32")}
 
@@ -97,11 +103,12 @@ def _die_before_publishing(*args, **kwargs) -> None:
 
 
 def run(tp: int, root: str, out: str, resume: bool, save_steps: tuple, kill_at: int,
-        actor_from: int) -> None:
+        actor_from: int, ep: int = 1) -> None:
     """Train steps 1..STEPS (after the newest checkpoint when `resume`), saving after each step
     in `save_steps`; with `kill_at`, rank 0 SIGKILLs itself in that step's save, after every
     rank has written its files but before the checkpoint is published. The actor trains from
-    step `actor_from` on (a critic warm-up: until then its optimizer has no state)."""
+    step `actor_from` on (a critic warm-up: until then its optimizer has no state). ep > 1:
+    the MoE model with its experts split over the ranks."""
     import logging
 
     from megatron.core import parallel_state
@@ -109,7 +116,7 @@ def run(tp: int, root: str, out: str, resume: bool, save_steps: tuple, kill_at: 
     # On the CPU the tracker's fork swaps the CPU generator itself, so Megatron's "CPU RNG state
     # changed within GPU RNG context" warning fires on every draw.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
-    config = job_config(tp)
+    config = job_config(tp, ep)
     initialize(config)
     models = build_models(config)
     record = {"metrics": {}, "draws": {}, "loaded": None}

@@ -92,24 +92,39 @@ def tokenizer_files(hf: HFCheckpoint, arch: Architecture) -> tuple[str, ...]:
     return tuple(path for path in paths if os.path.isfile(path))
 
 
-def convert_hf_to_mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1) -> ModelConfig:
-    """Collective over the current world (1 process, or exactly tp x pp processes)."""
+def convert_hf_to_mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1,
+                        ep: int = 1) -> ModelConfig:
+    """Collective over the current world: 1 process, or exactly tp x pp x ep processes, each
+    reading only the tensors of one target rank (with ep > 1, only its EP rank's experts). The
+    checkpoint loads at any layout either way."""
     world = dist.get_world_size()
-    if world not in (1, tp * pp):
-        raise ValueError(f"run hf-to-mcore with 1 process or tp x pp = {tp * pp} processes, "
-                         f"not {world}")
+    if world not in (1, tp * pp * ep):
+        raise ValueError(f"run hf-to-mcore with 1 process or tp x pp x ep = {tp * pp * ep} "
+                         f"processes, not {world}")
     if os.path.exists(out_dir):
         raise FileExistsError(f"output {out_dir} already exists; refusing to overwrite it")
     hf, arch, model = open_hf(hf_path)
     errors = model.check(tp, pp)
+    if ep > 1 and (not model.moe.enabled or model.moe.num_experts % ep):
+        errors.append(f"--ep {ep} must divide the model's experts "
+                      f"(model.moe.num_experts={model.moe.num_experts})")
     if errors:
-        raise ValueError(f"{hf_path} cannot be laid out at tp={tp}, pp={pp}: " + "; ".join(errors))
-    rank = dist.get_rank()
-    coordinates = (RankCoordinates(1, 1, 0, 0) if world == 1
-                   else RankCoordinates(tp, pp, rank % tp, rank // tp))
+        raise ValueError(f"{hf_path} cannot be laid out at tp={tp}, pp={pp}, ep={ep}: "
+                         + "; ".join(errors))
+    coordinates = RankCoordinates(1, 1, 0, 0) if world == 1 else _rank_coordinates(tp, pp, ep)
     shards = local_shards_from_hf(hf, arch, model, coordinates)
     save_weights(out_dir, shards, model, coordinates, head="lm",
                  tokenizer_files=tokenizer_files(hf, arch),
                  extra_metadata={"hf_architecture": arch.name, "hf_config": hf.config,
-                                 "converted_for": {"tp": tp, "pp": pp}})
+                                 "converted_for": {"tp": tp, "pp": pp, "ep": ep}})
     return model
+
+
+def _rank_coordinates(tp: int, pp: int, ep: int) -> RankCoordinates:
+    """This rank's target coordinates, TP fastest, then EP, then PP (Megatron's order with the
+    data-parallel ranks being the EP ranks). The EP ranks after the first hold copies of the
+    other tensors, which the first writes."""
+    rank = dist.get_rank()
+    tp_rank, ep_rank, pp_rank = rank % tp, rank // tp % ep, rank // (tp * ep)
+    return RankCoordinates(tp, pp, tp_rank, pp_rank, dp_rank=ep_rank, ep_size=ep,
+                           ep_rank=ep_rank)

@@ -30,7 +30,7 @@ Weights and optimizer state use Megatron's own sharded state dicts, as Megatron-
 _state_dict)`, the distributed optimizer in Megatron-LM's default `dp_reshardable` format (each
 DP rank writes its own buffer shards, no gather). Megatron's keys carry the vocabulary padded for
 the saving TP and the RNG states are per rank, so a resume must use the layout that saved
-(checked: world size, TP, PP). For layout-independent weights (export, another layout) use
+(checked: world size, TP, PP, EP). For layout-independent weights (export, another layout) use
 `weights_io`. Three Megatron-Core 0.16 code paths need help here (see the functions below):
 a scalar head in LanguageModule.sharded_state_dict, and loading the DistributedOptimizer
 without Apex/Transformer Engine (torch.optim.Adam): a fresh optimizer has no state to describe,
@@ -110,12 +110,16 @@ def _world_size() -> int:
 
 
 def _layout() -> dict:
-    """The layout a resume must match: world size, TP and PP (DP follows)."""
+    """The layout a resume must match: world size, TP, PP and, when experts are split, EP (DP
+    follows; dense checkpoints keep the three keys they always had)."""
     from megatron.core import parallel_state as ps
 
-    return {"world_size": _world_size(),
-            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size()}
+    layout = {"world_size": _world_size(),
+              "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+              "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size()}
+    if ps.get_expert_model_parallel_world_size() > 1:
+        layout["expert_model_parallel_size"] = ps.get_expert_model_parallel_world_size()
+    return layout
 
 
 def _sharding_metadata() -> dict:
