@@ -90,3 +90,21 @@ def reference_batch(vocab_size: int = 251, seq_length: int = 12, rows: int = 4):
 @torch.no_grad()
 def hf_logits(model, ids, mask) -> torch.Tensor:
     return model(input_ids=ids, attention_mask=mask).logits.float()
+
+
+def write_tiny_qwen3_moe(folder: str, vocabulary: tuple[str, ...]) -> str:
+    """Qwen3-MoE (a dense first layer, then 4 experts, top-2 renormalised) with random weights
+    and a word-level tokenizer over `vocabulary` (its <pad> and <eos> named), as an HF folder:
+    what the dataset jobs' MoE tests train."""
+    from mcore_rl.data.toy import write_word_tokenizer
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(vocabulary), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[0], tie_word_embeddings=False, pad_token_id=vocabulary.index("<pad>"),
+        eos_token_id=vocabulary.index("<eos>"), bos_token_id=None)
+    torch.manual_seed(5)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    write_word_tokenizer(folder, vocabulary)
+    return folder

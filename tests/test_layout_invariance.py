@@ -28,11 +28,13 @@ TIED = dataclasses.replace(MODEL, tie_embeddings=True, qkv_bias=False, qk_norm=F
 _cache = {}
 
 
-def layout_result(tmp_path_factory, model, tp, pp, world, use_distributed_optimizer=True, ep=1):
-    key = (model, tp, pp, world, use_distributed_optimizer, ep)
+def layout_result(tmp_path_factory, model, tp, pp, world, use_distributed_optimizer=True, ep=1,
+                  dispatcher="alltoall"):
+    key = (model, tp, pp, world, use_distributed_optimizer, ep, dispatcher)
     if key not in _cache:
         path = tmp_path_factory.mktemp("layout") / "result.pt"
-        run_world(world, run_layout, model, tp, pp, str(path), use_distributed_optimizer, ep)
+        run_world(world, run_layout, model, tp, pp, str(path), use_distributed_optimizer, ep,
+                  dispatcher)
         _cache[key] = torch.load(path, weights_only=False)
     return _cache[key]
 
@@ -98,16 +100,20 @@ MOE = dataclasses.replace(MODEL, moe=MoEConfig(
 shared expert."""
 
 
-@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 2, 2), (1, 2, 2, 4)],
-                         ids=["EP2", "PP2EP2"])
-def test_experts_split_over_ranks_train_like_one_rank(tmp_path_factory, tp, pp, ep, world):
+@pytest.mark.parametrize("tp, pp, ep, world, dispatcher",
+                         [(1, 1, 2, 2, "alltoall"), (1, 2, 2, 4, "alltoall"),
+                          (1, 1, 2, 2, "allgather")],
+                         ids=["EP2", "PP2EP2", "EP2-allgather"])
+def test_experts_split_over_ranks_train_like_one_rank(tmp_path_factory, tp, pp, ep, world,
+                                                      dispatcher):
     """One Adam step of the MoE model with its experts split over EP ranks (tokens exchanged
-    all-to-all, expert gradients reduced over the expert data-parallel ranks) equals the step
-    on one rank. Not at TP2: Megatron's MoE layer trains with TP only under sequence
-    parallelism, which its local (torch) norms refuse; that needs Transformer Engine or Apex
-    (GPU)."""
+    all-to-all, or all-gathered, expert gradients reduced over the expert data-parallel ranks)
+    equals the step on one rank. Not at TP2: Megatron's MoE layer trains with TP only under
+    sequence parallelism, which its local (torch) norms refuse; that needs Transformer Engine or
+    Apex (GPU)."""
     reference = layout_result(tmp_path_factory, MOE, 1, 1, 1)
-    assert_same(layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep), reference)
+    assert_same(layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep,
+                              dispatcher=dispatcher), reference)
 
 
 @pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 1, 1), (1, 1, 2, 2), (1, 2, 2, 4)],

@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_models import write_tiny_qwen3_moe
+
 from mcore_rl.config.preference import DpoConfig, RmConfig
 from mcore_rl.data.records import DataError
 from mcore_rl.data.toy import write_word_tokenizer
@@ -195,10 +197,11 @@ def trained(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("preference")
     hf_init = write_tiny_llama(str(root / "hf_init"), VOCABULARY, seed=3)
+    moe_init = write_tiny_qwen3_moe(str(root / "moe_init"), VOCABULARY)
     pairs = write_rows(root / "pairs.jsonl", pair_rows())
 
-    def job(section, layout, *extra):
-        return [f"init.hf_path={hf_init}", f"{section}.train_files=[{pairs}]",
+    def job(section, layout, *extra, init=hf_init):
+        return [f"init.hf_path={init}", f"{section}.train_files=[{pairs}]",
                 f"{section}.val_files=[{pairs}]", f"{section}.epochs={STEPS}",
                 f"{section}.batch_size={len(PAIRS)}", f"{section}.micro_batch_size=2",
                 f"{section}.optimizer.lr={LR}", f"{section}.optimizer.adam_eps={EPS}",
@@ -210,9 +213,12 @@ def trained(tmp_path_factory):
             ("dpo", job("dpo", tp2, "dpo.beta=0.5", "dpo.label_smoothing=0.1",
                         f"runtime.output_dir={root / 'dpo'}"), free_port()),
             ("dpo", job("dpo", pp2, "dpo.loss_type=ipo", "dpo.beta=0.5",
-                        f"runtime.output_dir={root / 'ipo'}"), free_port())]
+                        f"runtime.output_dir={root / 'ipo'}"), free_port()),
+            ("dpo", job("dpo", "parallel.expert_model_parallel_size=2", "dpo.beta=0.5",
+                        "dpo.label_smoothing=0.1", f"runtime.output_dir={root / 'moe_dpo'}",
+                        init=moe_init), free_port())]
     run_world(4, run_jobs, jobs, (str(root / "scores.pt"), str(root / "rm" / "hf"), free_port()))
-    return root, hf_init
+    return root, hf_init, moe_init
 
 
 def test_reward_model_matches_transformers_at_tp2_dp2(trained, tokenizer):
@@ -220,7 +226,7 @@ def test_reward_model_matches_transformers_at_tp2_dp2(trained, tokenizer):
 
     from preference_worker import scoring_rows
 
-    root, hf_init = trained
+    root, hf_init, _ = trained
     steps, final_loss, reference = reward_model_reference(hf_init, tokenizer, 0.5, 0.05)
     logged = logged_lines(root / "rm")
     assert [line["rm/loss"] for line in logged] == pytest.approx([s[0] for s in steps], rel=1e-5)
@@ -242,13 +248,16 @@ def test_reward_model_matches_transformers_at_tp2_dp2(trained, tokenizer):
 
 
 @pytest.mark.parametrize("name, loss_type, smoothing", [("dpo", "sigmoid", 0.1),
-                                                        ("ipo", "ipo", 0.0)])
+                                                        ("ipo", "ipo", 0.0),
+                                                        ("moe_dpo", "sigmoid", 0.1)])
 def test_dpo_matches_transformers(trained, tokenizer, name, loss_type, smoothing):
-    """dpo: TP2 x DP2, cDPO label smoothing; ipo: PP2 x DP2, length-normalised log-ratios."""
+    """dpo: TP2 x DP2, cDPO label smoothing; ipo: PP2 x DP2, length-normalised log-ratios;
+    moe_dpo: a Qwen3-MoE with its experts split over 2 of the 4 data-parallel ranks (EP2)."""
     from transformers import AutoModelForCausalLM
 
-    root, hf_init = trained
-    steps, final_loss, policy = dpo_reference(hf_init, tokenizer, 0.5, loss_type, smoothing)
+    root, hf_init, moe_init = trained
+    init = moe_init if name.startswith("moe") else hf_init
+    steps, final_loss, policy = dpo_reference(init, tokenizer, 0.5, loss_type, smoothing)
     logged = logged_lines(root / name)
     assert [line["dpo/loss"] for line in logged] == pytest.approx([s[0] for s in steps],
                                                                   rel=1e-5)

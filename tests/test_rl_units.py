@@ -227,6 +227,17 @@ def test_rl_config_rules_name_the_fields():
                                           "where ranks with experts split"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=megatron",
                                        "parallel.expert_model_parallel_size=2"]), 2)
+    with pytest.raises(ConfigError, match=r"parallel.expert_tensor_parallel_size=1: only the "
+                                          r"tensor-parallel size \(2\) or unset"):
+        validate_rl(load_config(None, ["parallel.tensor_model_parallel_size=2",
+                                       "parallel.expert_tensor_parallel_size=1"]), 2)
+    with pytest.raises(ConfigError, match="parallel.moe_token_dispatcher='flex' must be one of"):
+        validate_rl(load_config(None, ["parallel.moe_token_dispatcher=flex"]), 1)
+    with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch .micro-batches of "
+                                          "varying length. is refused by Megatron's allgather"):
+        validate_rl(load_config(None, ["model.moe.num_experts=4",
+                                       "parallel.moe_token_dispatcher=allgather",
+                                       "actor.max_tokens_per_micro_batch=64"]), 1)
     with pytest.raises(ConfigError, match="rollout.routing_replay=r3 needs a Mixture-of-"
                                           "Experts model"):
         validate_rl(load_config(None, ["rollout.routing_replay=r3"]), 1)

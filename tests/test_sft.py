@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from hf_models import write_tiny_qwen3_moe
+
 from mcore_rl.config.sft import SftConfig
 from mcore_rl.data.records import DataError
 from mcore_rl.data.toy import write_word_tokenizer
@@ -108,15 +110,7 @@ def hf_reference(hf_folder, tokenizer, lr, eps, steps):
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps)
     losses, grad_norms = [], []
     for _ in range(steps):
-        total, count = 0.0, 0
-        for prompt, response in DEMONSTRATIONS:
-            prompt_ids = tokenizer(prompt)["input_ids"]
-            ids = prompt_ids + tokenizer(response)["input_ids"] + [tokenizer.eos_token_id]
-            logprobs = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
-            picked = logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-            total = total - picked[len(prompt_ids) - 1:].sum()
-            count += len(ids) - len(prompt_ids)
-        loss = total / count
+        loss = response_nll(model, tokenizer, DEMONSTRATIONS)
         losses.append(loss.item())
         optimizer.zero_grad()
         loss.backward()
@@ -124,6 +118,30 @@ def hf_reference(hf_folder, tokenizer, lr, eps, steps):
                                          for p in model.parameters())).item())
         optimizer.step()
     return losses, grad_norms, model.state_dict()
+
+
+def response_nll(model, tokenizer, demonstrations) -> torch.Tensor:
+    """Token-mean negative log-likelihood of the responses and <eos> under an HF model."""
+    total, count = 0.0, 0
+    for prompt, response in demonstrations:
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        ids = prompt_ids + tokenizer(response)["input_ids"] + [tokenizer.eos_token_id]
+        logprobs = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+        picked = logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        total = total - picked[len(prompt_ids) - 1:].sum()
+        count += len(ids) - len(prompt_ids)
+    return total / count
+
+
+def exported_to_hf(checkpoint, folder):
+    """`mcore-rl convert mcore-to-hf` of `checkpoint`, loaded back with transformers."""
+    from transformers import AutoModelForCausalLM
+
+    done = subprocess.run([sys.executable, "-m", "mcore_rl", "convert", "mcore-to-hf", "--ckpt",
+                           str(checkpoint), "--out", str(folder)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
 
 
 def run(*arguments, ranks, port):
@@ -163,12 +181,7 @@ def test_sft_command_matches_hf_with_torch_adam_at_tp2_dp2(tmp_path, tokenizer):
     assert [line["sft/grad_norm"] for line in logged] == pytest.approx(grad_norms, rel=1e-4)
     assert losses[1] < losses[0] - 0.1
 
-    exported = tmp_path / "hf_out"
-    done = subprocess.run([sys.executable, "-m", "mcore_rl", "convert", "mcore-to-hf", "--ckpt",
-                           str(out / "model"), "--out", str(exported)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    trained = AutoModelForCausalLM.from_pretrained(exported, torch_dtype=torch.float32)
+    trained = exported_to_hf(out / "model", tmp_path / "hf_out")
     initial = AutoModelForCausalLM.from_pretrained(hf_init, torch_dtype=torch.float32)
     initial_weights = initial.state_dict()
     for name, tensor in trained.state_dict().items():
@@ -184,47 +197,20 @@ def test_sft_command_matches_hf_with_torch_adam_at_tp2_dp2(tmp_path, tokenizer):
 
 
 def hf_loss(hf_folder, state_dict, tokenizer, demonstrations) -> float:
-    """Token-mean NLL of the responses and <eos> under transformers with `state_dict`."""
+    """`response_nll` of transformers' model with `state_dict`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_folder, torch_dtype=torch.float32)
     model.load_state_dict(state_dict)
-    total, count = 0.0, 0
     with torch.no_grad():
-        for prompt, response in demonstrations:
-            prompt_ids = tokenizer(prompt)["input_ids"]
-            ids = prompt_ids + tokenizer(response)["input_ids"] + [tokenizer.eos_token_id]
-            logprobs = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
-            picked = logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-            total -= picked[len(prompt_ids) - 1:].sum().item()
-            count += len(ids) - len(prompt_ids)
-    return total / count
-
-
-def write_tiny_qwen3_moe(folder: str) -> str:
-    """Qwen3-MoE (a dense first layer, then 4 experts, top-2 renormalised) with random weights
-    and the quickstart's word tokenizer, as an HF folder."""
-    import transformers
-
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=len(VOCABULARY), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-        mlp_only_layers=[0], tie_word_embeddings=False, pad_token_id=VOCABULARY.index("<pad>"),
-        eos_token_id=VOCABULARY.index("<eos>"), bos_token_id=None)
-    torch.manual_seed(5)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(folder)
-    write_word_tokenizer(folder, VOCABULARY)
-    return folder
+        return response_nll(model, tokenizer, demonstrations).item()
 
 
 def test_sft_of_a_moe_model_with_experts_split_matches_hf(tmp_path, tokenizer):
     """`mcore-rl sft` of a Qwen3-MoE at EP2 (each rank holds 2 of the 4 experts, tokens travel
     all-to-all) equals transformers' own MoE trained with torch Adam: losses, gradient norms
     and the exported weights."""
-    from transformers import AutoModelForCausalLM
-
-    hf_init = write_tiny_qwen3_moe(str(tmp_path / "hf_init"))
+    hf_init = write_tiny_qwen3_moe(str(tmp_path / "hf_init"), VOCABULARY)
     demos = write_rows(tmp_path / "demos.jsonl",
                        [{"prompt": p, "response": r} for p, r in DEMONSTRATIONS])
     # 5 held-out examples: 3 on one rank, 2 on the other, yet both run 2 micro-batches.
@@ -248,11 +234,6 @@ def test_sft_of_a_moe_model_with_experts_split_matches_hf(tmp_path, tokenizer):
     final_val_loss = [json.loads(line) for line in open(out / "eval.jsonl")][-1]["sft/val_loss"]
     assert final_val_loss == pytest.approx(
         hf_loss(hf_init, reference, tokenizer, DEMONSTRATIONS[:5]), rel=1e-5)
-    exported = tmp_path / "hf_out"
-    done = subprocess.run([sys.executable, "-m", "mcore_rl", "convert", "mcore-to-hf", "--ckpt",
-                           str(out / "model"), "--out", str(exported)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    weights = AutoModelForCausalLM.from_pretrained(exported, torch_dtype=torch.float32)
+    weights = exported_to_hf(out / "model", tmp_path / "hf_out")
     for name, tensor in weights.state_dict().items():
         assert torch.allclose(tensor, reference[name], atol=1e-4), name

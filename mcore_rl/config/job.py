@@ -176,7 +176,7 @@ def _expert_layout_errors(config: JobConfig, world_size: int) -> list[str]:
     return errors
 
 
-MOE_DATASET_JOBS = ("sft",)
+MOE_DATASET_JOBS = ("sft", "dpo")
 """Dataset jobs run end to end on Mixture-of-Experts models (docs/moe.md)."""
 
 
@@ -187,7 +187,7 @@ def moe_job_errors(config: JobConfig, job: str) -> list[str]:
     if not moe.enabled or job in MOE_DATASET_JOBS:
         return []
     return [f"model.moe.num_experts={moe.num_experts}: the {job} job does not train "
-            "Mixture-of-Experts models yet (RL and SFT do; docs/moe.md)"]
+            "Mixture-of-Experts models yet (RL, SFT and DPO do; docs/moe.md)"]
 
 
 def _moe_rl_errors(config: JobConfig) -> list[str]:
@@ -221,6 +221,12 @@ def _moe_rl_errors(config: JobConfig) -> list[str]:
                               " of micro-batches, which experts split over ranks "
                               "(parallel.expert_model_parallel_size > 1) cannot run: set it "
                               "to 0")
+    if config.parallel.moe_token_dispatcher == "allgather":
+        for role in ("actor", "critic") if config.algorithm.needs_critic else ("actor",):
+            if getattr(config, role).max_tokens_per_micro_batch:
+                errors.append(f"{role}.max_tokens_per_micro_batch (micro-batches of varying "
+                              "length) is refused by Megatron's allgather token dispatcher: "
+                              "use parallel.moe_token_dispatcher=alltoall")
     return errors
 
 

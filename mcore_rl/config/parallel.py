@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import permutations
+from typing import Optional
 
 MEGATRON_DEFAULT_ORDER = "tp-dp-pp"
 """Megatron-Core's default rank order (tp-cp-ep-dp-pp with CP = EP = 1): TP varies fastest."""
 
 AUTO_ORDER = "auto"
+
+MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,15 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     """Ranks that split MoE experts (Megatron EP): each holds model.moe.num_experts / EP of them,
     and tokens travel to their experts all-to-all. Must divide the data-parallel size."""
+
+    expert_tensor_parallel_size: Optional[int] = None
+    """Ranks that split each expert's matrices (Megatron ETP). None: the TP size, the only value
+    supported yet (experts are split over the TP ranks like the dense MLP)."""
+
+    moe_token_dispatcher: str = "alltoall"
+    """How MoE tokens reach experts held by other EP ranks (Megatron's token dispatcher):
+    alltoall (each rank sends every expert's tokens to its holder) or allgather (every rank
+    gathers all tokens and keeps those of its experts)."""
 
     sequence_parallel: bool = False
     """Shard activations along the sequence inside TP regions (needs TP > 1)."""
@@ -76,6 +88,14 @@ class ParallelConfig:
         if self.rank_order not in (AUTO_ORDER, *orders):
             errors.append(f"parallel.rank_order={self.rank_order!r} must be auto or one of "
                           f"{', '.join(orders)}")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp != self.tensor_model_parallel_size:
+            errors.append(f"parallel.expert_tensor_parallel_size={etp}: only the "
+                          f"tensor-parallel size ({self.tensor_model_parallel_size}) or unset "
+                          "is supported yet")
+        if self.moe_token_dispatcher not in MOE_TOKEN_DISPATCHERS:
+            errors.append(f"parallel.moe_token_dispatcher={self.moe_token_dispatcher!r} must be "
+                          f"one of {MOE_TOKEN_DISPATCHERS}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             errors.append("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
         if world_size % self.model_parallel_size:

@@ -92,7 +92,7 @@ def moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
         moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff else "none",
         moe_aux_loss_coeff=moe.aux_loss_coeff,
         moe_z_loss_coeff=moe.z_loss_coeff or None,
-        moe_token_dispatcher_type="alltoall",
+        moe_token_dispatcher_type=parallel.moe_token_dispatcher,
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
         moe_shared_expert_intermediate_size=shared or None,
