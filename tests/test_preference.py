@@ -214,11 +214,34 @@ def trained(tmp_path_factory):
                         f"runtime.output_dir={root / 'dpo'}"), free_port()),
             ("dpo", job("dpo", pp2, "dpo.loss_type=ipo", "dpo.beta=0.5",
                         f"runtime.output_dir={root / 'ipo'}"), free_port()),
+            ("rm", job("rm", "parallel.expert_model_parallel_size=2", "rm.margin=0.5",
+                       "rm.reward_l2=0.05", f"runtime.output_dir={root / 'moe_rm'}",
+                       init=moe_init), free_port()),
             ("dpo", job("dpo", "parallel.expert_model_parallel_size=2", "dpo.beta=0.5",
                         "dpo.label_smoothing=0.1", f"runtime.output_dir={root / 'moe_dpo'}",
                         init=moe_init), free_port())]
     run_world(4, run_jobs, jobs, (str(root / "scores.pt"), str(root / "rm" / "hf"), free_port()))
     return root, hf_init, moe_init
+
+
+def assert_reward_model_matches(folder, hf_init, tokenizer) -> None:
+    """The RM job in `folder` against transformers' classifier trained by torch Adam."""
+    from transformers import AutoModelForSequenceClassification
+
+    steps, final_loss, reference = reward_model_reference(hf_init, tokenizer, 0.5, 0.05)
+    logged = logged_lines(folder)
+    assert [line["rm/loss"] for line in logged] == pytest.approx([s[0] for s in steps], rel=1e-5)
+    assert logged[1]["rm/margin"] == pytest.approx(steps[1][1]["margin"], rel=1e-4)
+    assert logged[1]["rm/accuracy"] == steps[1][1]["accuracy"]
+    evaluated = logged_lines(folder, "eval.jsonl")[-1]
+    assert evaluated["rm/val_loss"] == pytest.approx(final_loss, rel=1e-5)
+    assert_same_weights(folder / "hf", reference, AutoModelForSequenceClassification)
+
+
+def test_moe_reward_model_with_experts_split_matches_transformers(trained, tokenizer):
+    """A Qwen3-MoE reward model (scalar head) with its experts split over 2 of the 4 ranks."""
+    root, _, moe_init = trained
+    assert_reward_model_matches(root / "moe_rm", moe_init, tokenizer)
 
 
 def test_reward_model_matches_transformers_at_tp2_dp2(trained, tokenizer):
@@ -227,14 +250,7 @@ def test_reward_model_matches_transformers_at_tp2_dp2(trained, tokenizer):
     from preference_worker import scoring_rows
 
     root, hf_init, _ = trained
-    steps, final_loss, reference = reward_model_reference(hf_init, tokenizer, 0.5, 0.05)
-    logged = logged_lines(root / "rm")
-    assert [line["rm/loss"] for line in logged] == pytest.approx([s[0] for s in steps], rel=1e-5)
-    assert logged[1]["rm/margin"] == pytest.approx(steps[1][1]["margin"], rel=1e-4)
-    assert logged[1]["rm/accuracy"] == steps[1][1]["accuracy"]
-    evaluated = logged_lines(root / "rm", "eval.jsonl")[-1]
-    assert evaluated["rm/val_loss"] == pytest.approx(final_loss, rel=1e-5)
-    assert_same_weights(root / "rm" / "hf", reference, AutoModelForSequenceClassification)
+    assert_reward_model_matches(root / "rm", hf_init, tokenizer)
 
     # The export, scored by transformers and by Megatron through reward.model_path.
     exported = AutoModelForSequenceClassification.from_pretrained(root / "rm" / "hf",

@@ -176,7 +176,7 @@ def _expert_layout_errors(config: JobConfig, world_size: int) -> list[str]:
     return errors
 
 
-MOE_DATASET_JOBS = ("sft", "dpo")
+MOE_DATASET_JOBS = ("sft", "dpo", "rm")
 """Dataset jobs run end to end on Mixture-of-Experts models (docs/moe.md)."""
 
 
@@ -187,7 +187,7 @@ def moe_job_errors(config: JobConfig, job: str) -> list[str]:
     if not moe.enabled or job in MOE_DATASET_JOBS:
         return []
     return [f"model.moe.num_experts={moe.num_experts}: the {job} job does not train "
-            "Mixture-of-Experts models yet (RL, SFT and DPO do; docs/moe.md)"]
+            "Mixture-of-Experts models yet (RL, SFT, DPO and RM do; docs/moe.md)"]
 
 
 def _moe_rl_errors(config: JobConfig) -> list[str]:
