@@ -71,31 +71,48 @@ def _batch_major(tokens: torch.Tensor, batch: int) -> torch.Tensor:
 
 class RoutingPass:
     """The routers of one forward(-backward) pass over a batch: replay its ``routed_experts``
-    (when `replay`), and observe the routes taken (when `observe`): `routes()` then gives them
-    as a batch field, `metrics()` the pass's MoE metrics."""
+    (when `replay`) and observe the routes taken (when `observe`: `metrics()` gives the pass's
+    MoE metrics; with `keep_routes`, `routes()` gives the routes as a batch field, what r2
+    replays). Observing adds no device synchronisation: the figures stay on the model's device
+    until `metrics()`."""
 
-    def __init__(self, model: ModelConfig, replay: bool, observe: bool):
-        self.model, self.replay, self.observe = model, replay, observe
+    def __init__(self, model: ModelConfig, replay: bool, observe: bool,
+                 keep_routes: bool = False):
+        self.model, self.replay = model, replay
+        self.observe, self.keep_routes = observe or keep_routes, keep_routes
         self.topk, self.experts = model.moe.router_topk, model.moe.num_experts
-        layers = len(moe_layers(model))
+        self.layers = len(moe_layers(model))
         self._taken: list[tuple[torch.Tensor, torch.Tensor]] = []
-        """(batch rows, routes [b, s, layers, k]) of each observed micro-batch."""
-        self._tokens_per_expert = torch.zeros(layers, self.experts, dtype=torch.float64)
-        self._router_probs = torch.zeros(layers, self.experts, dtype=torch.float64)
-        self._entropy = torch.zeros(layers, dtype=torch.float64)
-        self._tokens = torch.zeros(layers, dtype=torch.float64)
-        self._agreeing = torch.zeros(2, dtype=torch.float64)
-        """(routes equal to the given ones, routes compared), over (token, layer, k)."""
+        """(batch rows, routes [b, s, layers, k]) of each observed micro-batch (keep_routes)."""
+        self._totals: torch.Tensor | None = None
+        """Per layer: tokens per expert, summed router probabilities per expert, summed
+        entropy, tokens; then (routes equal to the given ones, routes compared). Allocated on
+        the device of the first observation."""
+
+    def _accumulated(self, device: torch.device) -> torch.Tensor:
+        if self._totals is None:
+            size = 2 * self.layers * self.experts + 2 * self.layers + 2
+            self._totals = torch.zeros(size, dtype=torch.float64, device=device)
+        return self._totals
+
+    def _parts(self, totals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(load [layers, E], probs [layers, E], entropy [layers], tokens [layers],
+        agreeing [2]) views of `totals`."""
+        matrix = self.layers * self.experts
+        load, probs, entropy, tokens, agreeing = totals.split(
+            [matrix, matrix, self.layers, self.layers, 2])
+        return (load.view(self.layers, -1), probs.view(self.layers, -1), entropy, tokens,
+                agreeing)
 
     @contextmanager
     def micro_batch(self, chunk, micro_batch: dict) -> Iterator[None]:
         """While open (around the model's forward on `micro_batch`), this chunk's routers
         replay and are observed."""
-        routers = local_routers(chunk, self.model)
         given = micro_batch.get("routed_experts")
-        taken = self._no_routes(*micro_batch["attention_mask"].shape) if self.observe else None
+        mask = micro_batch["attention_mask"]
+        taken = self._no_routes(*mask.shape, device=mask.device) if self.keep_routes else None
         with ExitStack() as stack:
-            for slot, router in routers:
+            for slot, router in local_routers(chunk, self.model):
                 if self.replay:
                     stack.enter_context(self._replaying(router, given[:, :, slot]))
                 if self.observe:
@@ -105,8 +122,8 @@ class RoutingPass:
                                       taken))
                     stack.callback(handle.remove)
             yield
-        if self.observe and "row_ids" in micro_batch:
-            self._taken.append((micro_batch["row_ids"].cpu(), taken))
+        if taken is not None:
+            self._taken.append((micro_batch["row_ids"].cpu(), taken.cpu()))
 
     @contextmanager
     def _replaying(self, router, routes: torch.Tensor) -> Iterator[None]:
@@ -127,38 +144,41 @@ class RoutingPass:
 
     @torch.no_grad()
     def _observe(self, router, hidden: torch.Tensor, routing_map: torch.Tensor, slot: int,
-                 micro_batch: dict, given: torch.Tensor | None, taken_by_row: torch.Tensor
-                 ) -> None:
+                 micro_batch: dict, given: torch.Tensor | None,
+                 taken_by_row: torch.Tensor | None) -> None:
         """Add one router's forward to the pass's figures, over the real tokens that have a
         given route when routes are given (a replayed filler route is no router's choice);
         keep its routes in `taken_by_row` [b, s, layers, k] (not under sequence parallelism:
         a rank sees part of the sequence)."""
-        rows = micro_batch["attention_mask"].shape[0]
         sequence_parallel = router.config.sequence_parallel
         counted = _sequence_major(micro_batch["attention_mask"].bool(), sequence_parallel)
-        taken = routing_map.nonzero()[:, 1].view(-1, self.topk)
+        # Dropless routing: each token's row holds exactly k experts (in no particular order).
+        taken = routing_map.to(torch.int8).topk(self.topk, dim=-1).indices
+        load, probs_sum, entropy_sum, tokens, agreeing = self._parts(
+            self._accumulated(hidden.device))
         if given is not None:
             engine = _sequence_major(given[:, :, slot].long(), sequence_parallel)
             counted = counted & (engine[:, 0] != NO_ROUTE)
             equal = (taken[:, :, None] == engine[:, None, :]).any(dim=-1)[counted]
-            self._agreeing += torch.tensor([equal.sum().item(), equal.numel()],
-                                           dtype=torch.float64)
+            agreeing[0] += equal.sum()
+            agreeing[1] += counted.sum() * self.topk
         probs = torch.softmax(router.gating(hidden).reshape(-1, self.experts).double(), dim=-1)
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
-        self._tokens_per_expert[slot] += routing_map[counted].sum(dim=0).double().cpu()
-        self._router_probs[slot] += probs[counted].sum(dim=0).cpu()
-        self._entropy[slot] += entropy[counted].sum().cpu()
-        self._tokens[slot] += counted.sum().cpu()
-        if not sequence_parallel:
-            taken_by_row[:, :, slot] = _batch_major(taken, rows).to(torch.int16).cpu()
+        load[slot] += routing_map[counted].sum(dim=0)
+        probs_sum[slot] += probs[counted].sum(dim=0)
+        entropy_sum[slot] += entropy[counted].sum()
+        tokens[slot] += counted.sum()
+        if taken_by_row is not None and not sequence_parallel:
+            rows = micro_batch["attention_mask"].shape[0]
+            taken_by_row[:, :, slot] = _batch_major(taken, rows)
 
-    def _no_routes(self, rows: int, length: int) -> torch.Tensor:
-        return torch.full((rows, length, len(moe_layers(self.model)), self.topk), NO_ROUTE,
-                          dtype=torch.int16)
+    def _no_routes(self, rows: int, length: int, device=None) -> torch.Tensor:
+        return torch.full((rows, length, self.layers, self.topk), NO_ROUTE, dtype=torch.int16,
+                          device=device)
 
     def routes(self, rows: int, length: int) -> torch.Tensor:
-        """The observed routes as a batch field [rows, length, layers, k] (this stage's layers;
-        NO_ROUTE in the other stages' slots)."""
+        """The kept routes as a batch field [rows, length, layers, k] in host memory (this
+        stage's layers; NO_ROUTE in the other stages' slots)."""
         result = self._no_routes(rows, length)
         for row_ids, taken in self._taken:
             result[row_ids, :taken.shape[1]] = taken
@@ -171,13 +191,10 @@ class RoutingPass:
         balanced), moe/router_entropy (nats, mean over tokens and layers) and, when routes
         were given, moe/router_agreement (the fraction of (token, layer, k) routes taken that
         equal the given ones)."""
-        totals = torch.cat([self._tokens_per_expert.flatten(), self._router_probs.flatten(),
-                            self._entropy, self._tokens, self._agreeing]).to(device)
+        # A copy (the pass's own figures stay as they are); zeros on a stage without MoE.
+        totals = self._accumulated(device).to(device, copy=True)
         dist.all_reduce(totals)
-        layers = len(self._tokens)
-        sizes = [layers * self.experts, layers * self.experts, layers, layers, 2]
-        load, probs, entropy, tokens, agreeing = totals.cpu().split(sizes)
-        load, probs = load.view(layers, -1), probs.view(layers, -1)
+        load, probs, entropy, tokens, agreeing = self._parts(totals.cpu())
         fraction = load / load.sum(dim=1, keepdim=True).clamp_min(1)
         mean_prob = probs / tokens.clamp_min(1)[:, None]
         metrics = {

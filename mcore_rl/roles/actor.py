@@ -50,17 +50,19 @@ class Actor:
 
     def logprobs(self, batch: dict) -> dict:
         """{'logprobs', 'entropy'} [n, s] of the batch's tokens under the current policy. A
-        Mixture-of-Experts policy also gives 'moe_metrics' (identical on every rank) and
-        'routed_experts', the routes its routers took (replaying the engine's under r3)."""
+        Mixture-of-Experts policy also gives 'moe_metrics' (identical on every rank) and, under
+        r2, 'routed_experts': the routes its routers took (under r3 they replay the engine's)."""
         routing = None
         if self.moe_model is not None:
             replay = self.routing_replay == "r3" and "routed_experts" in batch
-            routing = RoutingPass(self.moe_model, replay, observe=True)
+            routing = RoutingPass(self.moe_model, replay, observe=True,
+                                  keep_routes=self.routing_replay == "r2")
         outputs = compute_outputs(self.trainable.chunks, scoring_inputs(batch, routing),
                                   self.micro_batch_size, "lm", self.vocab_size, self.temperature,
                                   self.max_tokens, routing)
         if routing is not None:
             outputs["moe_metrics"] = routing.metrics(collective_device())
+        if routing is not None and routing.keep_routes:
             outputs["routed_experts"] = routing.routes(*batch["input_ids"].shape)
         return outputs
 

@@ -402,21 +402,24 @@ class _RouteCapture:
         """(request ids, row starts, token ids, positions, {slot: top-k ids}) per step."""
 
     def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Keep the step's rows as they are (copies, on the engine's device: no synchronisation
+        while it runs); `take` brings them to the host."""
         slot = self.slots[layer]
         if slot == 0:  # the step's first MoE layer: its batch
             batch, runner = self.runner.input_batch, self.runner
             starts = runner.query_start_loc.np[:batch.num_reqs + 1].copy()
             rows = int(starts[-1])
-            self.steps.append((list(batch.req_ids), starts, runner.input_ids.cpu[:rows].tolist(),
-                               runner.positions[:rows].tolist(), {}))
+            self.steps.append((list(batch.req_ids), starts, runner.input_ids.cpu[:rows].clone(),
+                               runner.positions[:rows].clone(), {}))
         rows = int(self.steps[-1][1][-1])
-        self.steps[-1][4][slot] = topk_ids[:rows].to("cpu", torch.int16)
+        self.steps[-1][4][slot] = topk_ids[:rows].to(torch.int16, copy=True)
 
     def take(self) -> dict[tuple, torch.Tensor]:
         """Routes of every request whose every token was seen, by its fed tokens; forgets all."""
         by_request: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}
         for request_ids, starts, tokens, positions, by_slot in self.steps:
-            routes = torch.stack([by_slot[slot] for slot in range(len(self.slots))], dim=1)
+            routes = torch.stack([by_slot[slot] for slot in range(len(self.slots))], dim=1).cpu()
+            tokens, positions = tokens.tolist(), positions.tolist()
             for index, request in enumerate(request_ids):
                 seen = by_request.setdefault(request, {})
                 for row in range(starts[index], starts[index + 1]):

@@ -175,13 +175,13 @@ def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str
     """Forward-only per-token outputs for this rank's rows of `batch` (all PP stages get them).
     head="lm" gives {'logprobs', 'entropy'} (of logits / temperature); head="scalar" gives
     {'values'}; each [n, s] fp32. max_tokens > 0: token-budget micro-batches instead of
-    `micro_batch_size` rows. routing: what an MoE model's routers do in this pass (it then
-    also observes the routes by batch row)."""
+    `micro_batch_size` rows. routing: what an MoE model's routers do in this pass (with
+    keep_routes, the routes are kept by batch row)."""
     from megatron.core import parallel_state
 
     for chunk in chunks:
         chunk.eval()
-    if routing is not None and routing.observe:
+    if routing is not None and routing.keep_routes:
         batch = dict(batch, row_ids=torch.arange(batch["input_ids"].shape[0]))
     micro_batches, order = _micro_batches(chunks, batch, micro_batch_size, max_tokens)
     per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None,
