@@ -269,7 +269,36 @@ def resume(args, check: Checks) -> dict:
     return figures
 
 
-def _toy_trainer(args, total_steps: int):
+def moe(args, check: Checks) -> dict:
+    """Three GRPO steps of the toy Mixture-of-Experts model (configs/grpo_toy_moe.yaml) with
+    routing replay r2: Megatron's MoE layer, the router observation and the replay on the GPU.
+    Experts over every rank through vLLM under --vllm, else one expert group (the Megatron
+    engine generates only at EP1)."""
+    overrides = [f"runtime.output_dir={args.workdir}/moe", "trainer.eval_every=0",
+                 "trainer.save_every=0", "trainer.plots=false",
+                 "trainer.total_steps=3", "rollout.routing_replay=r2",
+                 f"rollout.engine={'vllm' if args.vllm else 'megatron'}",
+                 f"rollout.rollout_tp={_world() if args.vllm else 1}",
+                 f"parallel.expert_model_parallel_size={_world() if args.vllm else 1}"]
+    trainer = _toy_trainer(args, 3, "grpo_toy_moe.yaml", overrides)
+    history = trainer.fit()
+    trainer.close()
+    check(len(history) == 3 and all(math.isfinite(step["actor/loss"]) for step in history),
+          "three finite steps")
+    check(all(math.isfinite(step["moe/load_balancing"]) for step in history),
+          "the routers' figures are finite")
+    figures = {"engine": trainer.config.rollout.engine,
+               "precision": trainer.config.runtime.precision,
+               "load_balancing": [round(step["moe/load_balancing"], 3) for step in history],
+               "step_seconds": [round(step["time/step"], 3) for step in history]}
+    if args.vllm:  # only vLLM returns the engine's routes to compare with
+        figures["router_agreement"] = [step["moe/router_agreement"] for step in history]
+    return figures
+
+
+def _toy_trainer(args, total_steps: int, config: str = "grpo_toy.yaml",
+                 extra: list[str] = ()):
+
     from mcore_rl.config import load_config
     from mcore_rl.data import write_toy_tokenizer
     from mcore_rl.rl import Trainer
@@ -285,11 +314,11 @@ def _toy_trainer(args, total_steps: int):
                  "trainer.save_every=2", "trainer.plots=false",
                  f"trainer.total_steps={total_steps}",
                  f"parallel.tensor_model_parallel_size={_world()}"]
-    return Trainer(load_config(os.path.join(REPO, "configs", "grpo_toy.yaml"), overrides))
+    return Trainer(load_config(os.path.join(REPO, "configs", config), overrides + list(extra)))
 
 
 STAGES = {"preflight": preflight, "smoke": smoke, "performance": performance,
-          "offload": offload, "parity": parity, "rl": rl, "resume": resume}
+          "offload": offload, "parity": parity, "rl": rl, "resume": resume, "moe": moe}
 
 
 # -- helpers -----------------------------------------------------------------------------------
