@@ -18,9 +18,11 @@ CONFIG = AlgorithmConfig(gamma=0.9, lam=0.8, clip_ratio_low=0.2, clip_ratio_high
                          clip_ratio_c=3.0, value_clip=0.3)
 
 
-def rollout_batch(seed: int = 0, rows: int = 8, width: int = 10):
+def rollout_batch(seed: int = 0, rows: int = 8, width: int = 10, turns: bool = False):
     """Prompt+response rows: prompts of 1-3 tokens, responses of 1-6 tokens, right padding;
-    an outcome reward on each response's last token, groups of 1, 3 and 4 samples."""
+    an outcome reward on each response's last token, groups of 1, 3 and 4 samples. turns:
+    responses of 4 or more tokens are multi-turn episodes, with two observation tokens (mask 0)
+    after their first sampled token."""
     generator = torch.Generator().manual_seed(seed)
     mask = torch.zeros(rows, width)
     rewards = torch.zeros(rows, width)
@@ -28,6 +30,8 @@ def rollout_batch(seed: int = 0, rows: int = 8, width: int = 10):
         start = int(torch.randint(1, 4, (1,), generator=generator))
         length = int(torch.randint(1, 7, (1,), generator=generator))
         mask[row, start:start + length] = 1
+        if turns and length >= 4:
+            mask[row, start + 1:start + 3] = 0
         rewards[row, start + length - 1] = float(torch.randint(0, 3, (1,), generator=generator))
     return AdvantageInputs(token_rewards=rewards, response_mask=mask,
                            group_ids=torch.tensor([5, 5, 5, 9, 2, 2, 2, 2])[:rows],
@@ -97,12 +101,13 @@ def slow_rloo(inputs):
 
 
 def slow_reward_to_go(inputs, gamma):
+    """Discounted once per sampled token (observation tokens between turns do not count)."""
     returns = {}
     for row in range(len(inputs.group_ids)):
         positions = response_positions(inputs.response_mask[row])
-        for t in positions:
-            returns[(row, t)] = sum(gamma ** (k - t) * float(inputs.token_rewards[row, k])
-                                    for k in positions if k >= t)
+        for i, t in enumerate(positions):
+            returns[(row, t)] = sum(gamma ** j * float(inputs.token_rewards[row, k])
+                                    for j, k in enumerate(positions[i:]))
     return returns
 
 
@@ -140,9 +145,11 @@ def assert_on_response(tensor, expected: dict, mask):
 
 
 @pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
-@pytest.mark.parametrize("seed", [0, 1])
-def test_advantages_match_the_definitions(name, seed):
-    inputs = rollout_batch(seed)
+@pytest.mark.parametrize("seed,turns", [(0, False), (1, False), (2, True)])
+def test_advantages_match_the_definitions(name, seed, turns):
+    inputs = rollout_batch(seed, width=12, turns=turns)
+    spans = [response_positions(row) for row in inputs.response_mask]
+    assert not turns or any(span[-1] - span[0] + 1 > len(span) for span in spans)
     config = dataclasses.replace(CONFIG, estimator=name)
     advantages, _ = compute_advantages(inputs, config)
     assert_on_response(advantages, expected_advantages(name, inputs, config),

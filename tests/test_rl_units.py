@@ -47,6 +47,24 @@ def test_experience_places_rewards_and_masks():
     assert [len(m["input_ids"]) for m in mini_batches(batch, 3)] == [1, 1, 1]
 
 
+def test_multi_turn_episodes_train_only_sampled_tokens():
+    """An episode's observation tokens (mask 0 in `sampled`) get no response mask, no engine
+    log-prob and no reward, also when the episode ends on an observation."""
+    episodes = Generation([
+        Completion(0, 0, [8, 3, 4, 9, 1], [-0.1, 0.0, 0.0, -0.2, -0.3], "stop",
+                   sampled=(1, 0, 0, 1, 1)),
+        Completion(0, 1, [8, 1, 3, 4], [-0.4, -0.5, 0.0, 0.0], "length", sampled=(1, 1, 0, 0))],
+        [[5, 6]])
+    batch = make_experience(episodes, [1.0, 0.5], RolloutConfig(), pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 8, 3, 4, 9, 1], [5, 6, 8, 1, 3, 4, 0]]
+    assert batch["response_mask"].tolist() == [[0, 0, 1, 0, 0, 1, 1], [0, 0, 1, 1, 0, 0, 0]]
+    assert torch.equal(batch["engine_logprobs"], torch.tensor(
+        [[0, 0, -0.1, 0, 0, -0.2, -0.3], [0, 0, -0.4, -0.5, 0, 0, 0]]))
+    expected = torch.zeros(2, 7)
+    expected[0, 6], expected[1, 3] = 1.0, 0.5
+    assert torch.equal(batch["token_rewards"], expected)
+
+
 def test_overlong_filter_and_penalty():
     sampling = SamplingConfig(max_new_tokens=4)
     filtered = make_experience(generation(), [1.0, 0.5, 0.25],

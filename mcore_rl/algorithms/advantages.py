@@ -138,9 +138,10 @@ def reinforce_plus_plus(inputs: AdvantageInputs, config: AlgorithmConfig, group=
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + config.gamma * running
+        # Positions outside the response (padding, a multi-turn episode's observations) pass
+        # the return of the next sampled token through unchanged and undiscounted.
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + config.gamma * running, running)
         returns[:, t] = running
-        running = running * mask[:, t]
     return masked_whiten(returns, mask, group) * mask, returns * mask
 
 

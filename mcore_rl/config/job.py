@@ -118,7 +118,10 @@ class JobConfig:
 
     def sequence_length(self) -> int:
         """The longest RL sequence: a prompt (data.max_prompt_tokens) and its response
-        (rollout.sampling.max_new_tokens)."""
+        (rollout.sampling.max_new_tokens), or a whole multi-turn episode
+        (rollout.multi_turn.max_episode_tokens)."""
+        if self.rollout.multi_turn.enabled:
+            return self.rollout.multi_turn.max_episode_tokens
         return self.data.max_prompt_tokens + self.rollout.sampling.max_new_tokens
 
 
@@ -246,9 +249,8 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
                       "greedy baseline is scored without the shaping")
     length = config.sequence_length()
     if length > config.model.max_position_embeddings:
-        errors.append(f"data.max_prompt_tokens + rollout.sampling.max_new_tokens = {length} "
-                      f"exceeds model.max_position_embeddings="
-                      f"{config.model.max_position_embeddings}")
+        errors.append(f"{_sequence_length_fields(config)} = {length} exceeds "
+                      f"model.max_position_embeddings={config.model.max_position_embeddings}")
     if config.rollout.engine == "vllm":
         errors += [f"rollout.{message}" for message in rollout_tp_errors(
             config.rollout.rollout_tp, config.placement.engine_ranks(world_size),
@@ -263,6 +265,13 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
         raise ConfigError("invalid RL configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
     return config
+
+
+def _sequence_length_fields(config: JobConfig) -> str:
+    """The fields JobConfig.sequence_length adds up, for messages."""
+    if config.rollout.multi_turn.enabled:
+        return "rollout.multi_turn.max_episode_tokens"
+    return "data.max_prompt_tokens + rollout.sampling.max_new_tokens"
 
 
 def _placement_errors(config: JobConfig, world_size: int) -> list[str]:
@@ -280,7 +289,8 @@ def _placement_errors(config: JobConfig, world_size: int) -> list[str]:
     unsupported = {"rollout.async_rollout": rollout.async_rollout,
                    "rollout.dynamic_sampling": rollout.dynamic_sampling,
                    "reward.model_path": config.reward.model_path,
-                   "actor.offload": config.actor.offload, "critic.offload": config.critic.offload}
+                   "actor.offload": config.actor.offload, "critic.offload": config.critic.offload,
+                   "rollout.multi_turn": rollout.multi_turn.enabled}
     errors += [f"{name} is not supported {why}" for name, value in unsupported.items() if value]
     if config.algorithm.estimator == "remax":
         errors.append(f"algorithm.estimator=remax is not supported {why} (its greedy baseline "
@@ -360,8 +370,7 @@ def _rl_batch_errors(config: JobConfig, world_size: int) -> list[str]:
         if budget:
             if budget < length:
                 errors.append(f"{role}.max_tokens_per_micro_batch={budget} must hold the "
-                              f"longest sequence, data.max_prompt_tokens + "
-                              f"rollout.sampling.max_new_tokens = {length}")
+                              f"longest sequence, {_sequence_length_fields(config)} = {length}")
             continue
         if micro < 1 or (rows // mini_batches) % micro:
             errors.append(f"{role}.micro_batch_size={micro} must divide the {rows // mini_batches}"

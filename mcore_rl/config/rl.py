@@ -13,6 +13,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .agents import MultiTurnConfig
 from .rollout import SamplingConfig
 from .training import OptimizerConfig
 
@@ -88,6 +89,10 @@ class RolloutConfig:
         default_factory=lambda: SamplingConfig(n=1, temperature=0.0))
     """Sampling for evaluation on the validation prompts (greedy by default)."""
 
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn episodes with an environment and tools (off by default); sampling then
+    applies to each model turn (max_new_tokens: per turn)."""
+
     gpu_memory_utilization: float = 0.4
     """vLLM's share of GPU memory for its weights and KV cache while it generates. The engine
     starts before the training roles and sleeps between generate phases, so this share must be
@@ -158,8 +163,9 @@ class RolloutConfig:
     use. none: the routers' own. r3: the engine's, for every token it computed (rollout routing
     replay, arXiv 2510.11370), in the old-log-prob, reference and update passes. r2: those the
     actor took in the old-log-prob pass, replayed by the reference and the updates (needs
-    old_logprobs=trainer). Either way the step logs moe/router_agreement: the share of
-    (token, layer, k) routes the trainer took that equal the engine's."""
+    old_logprobs=trainer). When the engine returns routes (vLLM), the step logs
+    moe/router_agreement: the share of (token, layer, k) routes the trainer took that equal
+    the engine's."""
 
     max_staleness: int = 0
     """Split placement: a sample trains at most this many policy versions after the version
@@ -179,6 +185,20 @@ class RolloutConfig:
     looks for new weights or requests on the rollout ranks. Smaller lets an update land sooner
     (the trainers wait less for the rollout ranks to take it), larger costs fewer checks."""
 
+    def _multi_turn_errors(self) -> list[str]:
+        """What multi-turn episodes do not combine with yet."""
+        if not self.multi_turn.enabled:
+            return []
+        unsupported = {"rollout.engine=megatron (no streaming interface)":
+                       self.engine != "vllm",
+                       "rollout.overlong=penalty (an episode's length is not one response's)":
+                       self.overlong == "penalty",
+                       "rollout.routing_replay=r3": self.routing_replay == "r3",
+                       "rollout.rollout_tp > 1 (every rank of an engine would have to run "
+                       "the same episodes)": self.rollout_tp > 1}
+        return [f"rollout.multi_turn does not work with {what} yet"
+                for what, applies in unsupported.items() if applies]
+
     def importance_correction(self) -> "ImportanceCorrection":
         return ImportanceCorrection(self.importance_cap, self.importance_floor,
                                     self.importance_level, self.importance_mode)
@@ -187,6 +207,7 @@ class RolloutConfig:
         """Broken rules, each naming its field (empty when valid)."""
         errors = [f"rollout.{message}" for message in self.sampling.errors()]
         errors += [f"rollout.eval_{message}" for message in self.eval_sampling.errors()]
+        errors += self.multi_turn.errors() + self._multi_turn_errors()
         if self.engine not in ENGINES:
             errors.append(f"rollout.engine={self.engine!r} must be one of {ENGINES}")
         if not 0 < self.gpu_memory_utilization < 1:

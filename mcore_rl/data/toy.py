@@ -30,9 +30,11 @@ def write_toy_tokenizer(folder: str) -> str:
 
 
 def write_word_tokenizer(folder: str, vocabulary: tuple[str, ...],
-                         max_length: int = TOY_MAX_LENGTH) -> str:
+                         max_length: int = TOY_MAX_LENGTH, chat_template: str | None = None
+                         ) -> str:
     """A whitespace word-level HF tokenizer (token id = position in `vocabulary`, which must
-    start with PAD_TOKEN, EOS_TOKEN and contain UNK_TOKEN) written into `folder`."""
+    start with PAD_TOKEN, EOS_TOKEN and contain UNK_TOKEN), with `chat_template` if given,
+    written into `folder`."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -42,6 +44,7 @@ def write_word_tokenizer(folder: str, vocabulary: tuple[str, ...],
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN, model_max_length=max_length)
+    fast.chat_template = chat_template
     os.makedirs(folder, exist_ok=True)
     fast.save_pretrained(folder)
     return folder

@@ -9,10 +9,11 @@ import shutil
 from mcore_rl.data.toy import write_word_tokenizer
 
 
-def write_tiny_llama(folder: str, vocabulary: tuple[str, ...], seed: int = 0) -> str:
+def write_tiny_llama(folder: str, vocabulary: tuple[str, ...], seed: int = 0,
+                     chat_template: str | None = None) -> str:
     """LlamaForCausalLM (2 layers, hidden 128, head_dim 64, the smallest vLLM's CPU attention
-    takes) with random weights and a word-level tokenizer over `vocabulary`, written to
-    `folder` (staged, renamed when complete)."""
+    takes) with random weights and a word-level tokenizer over `vocabulary` (with
+    `chat_template`), written to `folder` (staged, renamed when complete)."""
     import torch
     import transformers
 
@@ -27,6 +28,6 @@ def write_tiny_llama(folder: str, vocabulary: tuple[str, ...], seed: int = 0) ->
     staging = folder + ".incomplete"
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
-    write_word_tokenizer(staging, vocabulary)
+    write_word_tokenizer(staging, vocabulary, chat_template=chat_template)
     os.replace(staging, folder)
     return folder

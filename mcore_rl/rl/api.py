@@ -72,3 +72,17 @@ def with_actor_model(config: JobConfig, path: str) -> JobConfig:
     or an mcore_rl checkpoint."""
     return with_model_from_init(dataclasses.replace(config, init=InitConfig.from_path(path),
                                                     model=ModelConfig()))
+
+
+def with_environment(config: JobConfig, environment: type) -> JobConfig:
+    """The config with `environment` (an mcore_rl.agents.Environment subclass, importable by
+    its module and name, as the episodes' sandboxed processes import it) as the multi-turn
+    environment."""
+    if environment.__module__ == "__main__" or "<locals>" in environment.__qualname__:
+        raise ValueError(f"environment {environment.__qualname__} must be importable from a "
+                         "module (the sandboxed episode processes import it): define it in a "
+                         "module, not in __main__ or inside a function")
+    reference = f"{environment.__module__}:{environment.__qualname__}"
+    multi_turn = dataclasses.replace(config.rollout.multi_turn, environment=reference)
+    return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
+                                                                   multi_turn=multi_turn))

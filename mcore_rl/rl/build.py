@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mcore_rl.agents import (ChatFormat, EpisodeRunner, EpisodeSpec, environment_class,
+                             function_tools, tool_schemas)
 from mcore_rl.algorithms import unregistered_names
 from mcore_rl.config import ConfigError, InitConfig, JobConfig, validate_rl
 from mcore_rl.config.parallel import AUTO_ORDER
@@ -101,6 +103,27 @@ def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_score
             problems.append(str(error))
     raise_on_any_rank(problems, ConfigError, "reward: ")
     return reward
+
+
+def build_episode_runner(config: JobConfig, data: TrainingData) -> EpisodeRunner | None:
+    """Multi-turn rollouts' runner (None for single-turn jobs), after checking on every rank
+    that the environment, its tools and the chat template can be used (collective)."""
+    multi_turn = config.rollout.multi_turn
+    if not multi_turn.enabled:
+        return None
+    runner, problems = None, []
+    try:
+        spec = EpisodeSpec(multi_turn.environment, tuple(multi_turn.tools),
+                           multi_turn.tool_parser, multi_turn.python_timeout_seconds,
+                           multi_turn.sandbox.memory_mb)
+        schemas = tool_schemas(environment_class(spec.environment),
+                               function_tools(spec.tools))
+        chat = ChatFormat(data.tokenizer, schemas, dict(multi_turn.template_kwargs))
+        runner = EpisodeRunner.build(multi_turn, chat, spec)
+    except ValueError as error:
+        problems.append(str(error))
+    raise_on_any_rank(problems, ConfigError, "rollout.multi_turn: ")
+    return runner
 
 
 def ground_truth_checked(config: JobConfig, data: TrainingData, reward_fn) -> bool:

@@ -18,6 +18,7 @@ from mcore_rl.runtime.faults import kill_point
 from mcore_rl.training.batches import pad_rows_to_multiple
 
 from .data import TrainingData
+from .step_statistics import episode_statistics
 
 
 class RLEvaluator:
@@ -45,6 +46,11 @@ class RLEvaluator:
             metrics["eval/kl_to_reference"] = self._kl_to_reference(generation)
         samples = self._gather_samples(records, generation, results)
         metrics.update(run_evaluators(self.evaluators, trainer, samples))
+        if self.config.rollout.multi_turn.enabled:
+            stats = SumsAndCounts()
+            episode_statistics(generation.completions, stats)
+            metrics.update({f"eval/{name}": value
+                            for name, value in stats.reduce(self.dp_group).items()})
         return metrics
 
     def _gather_samples(self, records: list, generation, results: list) -> EvalSamples:
@@ -52,8 +58,9 @@ class RLEvaluator:
         decode = self.data.tokenizer.decode
         mine = ([_prompt_text(record.prompt) for record in records],
                 [record.data_source for record in records],
-                [(c.prompt_index, c.token_ids, decode(c.token_ids, skip_special_tokens=True),
-                  result.score, result.correct)
+                [(c.prompt_index, c.token_ids, c.response_text if c.response_text is not None
+                  else decode(c.token_ids, skip_special_tokens=True), result.score,
+                  result.correct)
                  for c, result in zip(generation.completions, results)])
         shares = [None] * dist.get_world_size(self.dp_group)
         dist.all_gather_object(shares, mine, group=self.dp_group)

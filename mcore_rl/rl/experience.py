@@ -55,10 +55,12 @@ def make_experience(generation: Generation, scores: list[float], rollout: Rollou
 
 def _set_outcome_rewards(batch: dict, scores: torch.Tensor) -> None:
     """batch["scores"] = scores [n], and token_rewards [n, s]: each score on its response's
-    last token (rows without a response get none)."""
+    last sampled token (a multi-turn episode may end on an observation; rows without a
+    response get none)."""
     response_mask = batch["response_mask"]
     token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = batch["attention_mask"].sum(dim=1) - 1
+    positions = torch.arange(response_mask.shape[1])
+    last = (positions * response_mask).argmax(dim=1)
     has_response = response_mask.sum(dim=1) > 0
     rows = torch.arange(len(scores))[has_response]
     token_rewards[rows, last[has_response]] = scores[has_response]

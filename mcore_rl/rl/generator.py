@@ -42,6 +42,14 @@ class PolicyGenerator:
         with self.awake(timer), timer("generate"):
             return self.engine.generate(token_ids, sampling, self.prompt_config)
 
+    def run_episodes(self, runner, records: list, sampling: SamplingConfig,
+                     timer: PhaseTimer | None = None) -> Generation:
+        """Multi-turn episodes for `records` (agents.EpisodeRunner) on the engine."""
+        timer = timer or PhaseTimer()
+        with self.awake(timer), timer("generate"):
+            return runner.run(self.engine, records, sampling,
+                              self.prompt_config.max_prompt_tokens)
+
     def policy_updated(self) -> None:
         """The actor's weights changed: the next generation syncs first."""
         self.weights_current = False

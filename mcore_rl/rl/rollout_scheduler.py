@@ -20,6 +20,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from mcore_rl.agents import EpisodeRunner
 from mcore_rl.config import JobConfig
 from mcore_rl.config.rollout import SamplingConfig
 from mcore_rl.observability.step_metrics import PhaseTimer, SumsAndCounts
@@ -36,12 +37,15 @@ class RolloutScheduler:
     """This rank's scored rollouts, one batch per step."""
 
     def __init__(self, config: JobConfig, data: TrainingData, generator: PolicyGenerator,
-                 scorer: Scorer, dp_group):
+                 scorer: Scorer, dp_group, episodes: EpisodeRunner | None = None):
         self.config = config
         self.data = data
         self.generator = generator
         self.scorer = scorer
         self.dp_group = dp_group
+        self.episodes = episodes
+        """Multi-turn rollouts: the runner of this rank's episodes (None: one response per
+        prompt)."""
         self.pending: Rollout | None = None
         """With async_rollout: the batch generated ahead for the next step (this rank's)."""
 
@@ -61,7 +65,7 @@ class RolloutScheduler:
                 round_index: int = 0) -> Rollout:
         """Generate and score one round of prompts."""
         sampling = training_sampling(self.config, self.data.stop_token_ids, step, round_index)
-        generation = self.generator.generate(token_ids, sampling, timer)
+        generation = self._generate(records, token_ids, sampling, timer)
         with timer("reward"):
             generation, results = self.scorer.score(generation, records, f"step{step}")
         return Rollout(records, token_ids, generation, results, version=step)
@@ -70,8 +74,8 @@ class RolloutScheduler:
         """This rank's validation prompts answered with the current policy and scored:
         (records, generation, results)."""
         records, token_ids = self.data.validation_shard()
-        generation = self.generator.generate(
-            token_ids, evaluation_sampling(self.config, self.data.stop_token_ids))
+        generation = self._generate(records, token_ids,
+                                    evaluation_sampling(self.config, self.data.stop_token_ids))
         generation, results = self.scorer.score(generation, records, f"step{step}")
         return records, generation, results
 
@@ -89,17 +93,26 @@ class RolloutScheduler:
         """Nothing to tell: every rank of the job runs the Trainer."""
 
     def close(self, exit_code: int = 0) -> None:
-        """Stop the reward workers and the engine."""
+        """Stop the reward workers, the environments' sandbox and the engine."""
         self.scorer.close()
+        if self.episodes is not None:
+            self.episodes.close()
         self.generator.engine.close()
 
     def greedy_scores(self, rollout: Rollout, step: int) -> torch.Tensor:
         """Score of the greedy response to each prompt (ReMax's baseline)."""
         sampling = dataclasses.replace(self.config.rollout.sampling, n=1, temperature=0.0,
                                        stop_token_ids=self.data.stop_token_ids)
-        generation = self.generator.generate(rollout.token_ids, sampling)
+        generation = self._generate(rollout.records, rollout.token_ids, sampling)
         _, results = self.scorer.score(generation, rollout.records, f"step{step}")
         return torch.tensor([result.score for result in results], dtype=torch.float32)
+
+    def _generate(self, records: list, token_ids: list, sampling: SamplingConfig,
+                  timer: PhaseTimer | None = None):
+        """One response per prompt, or one episode per prompt and sample (multi-turn)."""
+        if self.episodes is None:
+            return self.generator.generate(token_ids, sampling, timer)
+        return self.generator.run_episodes(self.episodes, records, sampling, timer)
 
     def state_dict(self) -> dict:
         """This rank's part of the checkpoint."""

@@ -53,6 +53,24 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
         stats.add("critic/error_square", (returns - values).square(), response)
 
 
+EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "parse_failures",
+                  "environment_failures", "template_mismatches", "observations_truncated",
+                  "model_tokens", "observation_tokens", "truncated", "tool_seconds")
+"""Per-episode counts logged as episode/<name> means (agents.episode.Episode.summary)."""
+
+
+def episode_statistics(completions: list, stats: SumsAndCounts) -> None:
+    """Multi-turn episodes' means per episode (nothing for single-turn responses), and
+    episode/tool_use: the share of episodes with at least one tool call that worked."""
+    episodes = [completion.episode for completion in completions if completion.episode]
+    if not episodes:
+        return
+    for name in EPISODE_COUNTS:
+        stats.add(f"episode/{name}", torch.tensor([float(e[name]) for e in episodes]))
+    stats.add("episode/tool_use", torch.tensor(
+        [float(e["tool_calls"] > e["tool_errors"]) for e in episodes]))
+
+
 def off_policy_statistics(batch: dict, rollout: Rollout, step: int,
                           correction: ImportanceCorrection, stats: SumsAndCounts) -> None:
     """How far off-policy the batch is: policy versions between starting each response and

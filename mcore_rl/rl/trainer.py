@@ -46,7 +46,9 @@ from mcore_rl.training import checkpointer
 from mcore_rl.training.balance import balance_over_data_parallel
 from mcore_rl.training.offload import HostParking
 
-from .build import build_engine_and_roles, build_roles, build_rule_reward, settled_config
+from .api import with_environment
+from .build import (build_engine_and_roles, build_episode_runner, build_roles,
+                    build_rule_reward, settled_config)
 from .data import load_training_data
 from .evaluator import RLEvaluator
 from .experience import (add_advantages, add_forward_passes, make_experience, mini_batches,
@@ -54,7 +56,8 @@ from .experience import (add_advantages, add_forward_passes, make_experience, mi
 from .generator import PolicyGenerator
 from .rollout_scheduler import RolloutScheduler
 from .split.remote_rollouts import RemoteRollouts
-from .step_statistics import derived_metrics, off_policy_statistics, rollout_statistics
+from .step_statistics import (derived_metrics, episode_statistics, off_policy_statistics,
+                              rollout_statistics)
 
 
 class TrainingDiverged(RuntimeError):
@@ -85,13 +88,16 @@ class Trainer:
     """PPO/GRPO-family training of a Megatron actor (and critic) with a rollout engine."""
 
     def __init__(self, config: JobConfig, actor_model: str | None = None,
-                 critic_model: str | None = None, reward_fn=None):
+                 critic_model: str | None = None, reward_fn=None, environment=None):
         """Every rank constructs the same Trainer. actor_model / critic_model: HF folders or
         mcore_rl checkpoints overriding init / critic.init_path (the critic must share the
         actor's architecture). reward_fn: a module-level function fn(data_source, solution_str,
         ground_truth, extra_info) -> float | dict used for every sample instead of the reward
-        registry."""
+        registry. environment: an mcore_rl.agents.Environment subclass for multi-turn
+        rollouts (instead of rollout.multi_turn.environment)."""
         launch = read_launch_env()
+        if environment is not None:
+            config = with_environment(config, environment)
         config = self.config = settled_config(config, launch, actor_model, critic_model)
         if config.placement.side_of(launch.rank, launch.world_size) == "rollout":
             raise ValueError(f"rank {launch.rank} is a rollout rank of split placement "
@@ -164,6 +170,7 @@ class Trainer:
             add_advantages(batch, self.config.algorithm, self.kl_controller, self.dp_group, stats)
         rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats,
                            mismatch=self.config.rollout.old_logprobs == "trainer")
+        episode_statistics(rollout.generation.completions, stats)
         off_policy_statistics(batch, rollout, self.step,
                               self.config.rollout.importance_correction(), stats)
         self.scheduler.add_metrics(stats)
@@ -402,7 +409,8 @@ def _colocated_rollouts(config: JobConfig, data, reward_fn, runtime, model_paral
     generator = PolicyGenerator(engine, weight_sync, roles.actor, parkings,
                                 PromptConfig(max_prompt_tokens=config.data.max_prompt_tokens))
     scorer = Scorer(rule_reward, roles.reward_model, data.pad_id, model_parallel)
-    return roles, RolloutScheduler(config, data, generator, scorer, dp_group)
+    return roles, RolloutScheduler(config, data, generator, scorer, dp_group,
+                                   build_episode_runner(config, data))
 
 
 def _same_run(config: JobConfig) -> bool:

@@ -2,14 +2,17 @@
 function registered for its prompt's data_source, in sandboxed worker processes.
 
 A function sees the prompt it scores as extra_info["prompt"] (text or chat messages; a data
-row's own extra_info["prompt"] is kept), so prompt-dependent rewards need no dataset column."""
+row's own extra_info["prompt"] is kept), so prompt-dependent rewards need no dataset column; a
+multi-turn episode's function scores its final assistant message and sees the whole
+conversation as extra_info["messages"] (an episode its environment scored skips the function).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 from mcore_rl.evaluation import is_correct
-from mcore_rl.rewards import RewardRequest, RuleRewards
+from mcore_rl.rewards import RewardRequest, RewardResult, RuleRewards
 from mcore_rl.rollout import Generation
 
 
@@ -24,14 +27,29 @@ class RuleReward:
         """One RewardResult per completion, in order, `correct` when its score is at least
         evaluation.CORRECT_SCORE. Failed or timed-out calls score 0 with an error (the sandbox
         logs them with their sample ids)."""
-        requests = []
-        for completion in generation.completions:
+        requests, scored_by_environment = [], {}
+        for position, completion in enumerate(generation.completions):
+            episode = completion.episode or {}
+            if episode.get("reward") is not None:
+                scored_by_environment[position] = RewardResult(float(episode["reward"]))
+                continue
             record = records[completion.prompt_index]
+            extra_info = {"prompt": record.prompt, **record.extra_info}
+            if "messages" in episode:
+                extra_info["messages"] = episode["messages"]
             requests.append(RewardRequest(
                 sample_id=f"{sample_prefix}/record{record.index}/sample{completion.sample_index}",
-                data_source=record.data_source,
-                response=self.tokenizer.decode(completion.token_ids, skip_special_tokens=True),
-                ground_truth=record.ground_truth,
-                extra_info={"prompt": record.prompt, **record.extra_info}))
+                data_source=record.data_source, response=self._response(completion),
+                ground_truth=record.ground_truth, extra_info=extra_info))
+        scored = iter(self.rewards.score(requests) if requests else [])
+        results = [scored_by_environment.get(position) or next(scored)
+                   for position in range(len(generation.completions))]
         return [dataclasses.replace(result, correct=is_correct(result.score))
-                for result in self.rewards.score(requests)]
+                for result in results]
+
+    def _response(self, completion) -> str:
+        """The text a reward function scores: the response, or an episode's final assistant
+        message (its token ids hold the observations too)."""
+        if completion.response_text is not None:
+            return completion.response_text
+        return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)

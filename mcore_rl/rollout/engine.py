@@ -40,11 +40,14 @@ class Completion:
     """Which of the prompt's `sampling.n` samples this is."""
 
     token_ids: list[int]
-    """Response tokens (the prompt excluded; a final stop token included)."""
+    """Response tokens (the prompt excluded; a final stop token included). A multi-turn
+    episode's: every token after the prompt, the model's turns and the observations between
+    them."""
 
     logprobs: list[float]
     """Log-prob of each response token under the distribution it was sampled from
-    (temperature, top-k and top-p applied; greedy: the model's own distribution)."""
+    (temperature, top-k and top-p applied; greedy: the model's own distribution); 0 on
+    observation tokens."""
 
     finish_reason: str
     """"stop" (a stop token or string ended it) or "length" (max_new_tokens reached)."""
@@ -59,6 +62,22 @@ class Completion:
     """Mixture-of-Experts models, where the engine reports them: the experts each token the
     engine computed (the prompt and every response token but the last) went to in each MoE
     layer, [prompt + response - 1, MoE layers, top-k] (models.moe_routing)."""
+
+    sampled: Optional[tuple[int, ...]] = None
+    """Multi-turn episodes: 1 where the engine sampled token_ids[i], 0 on observation tokens
+    (tool results, environment messages, the chat template's text around them). None: every
+    token was sampled (a single-turn response)."""
+
+    response_text: Optional[str] = None
+    """Multi-turn episodes: the final assistant message, which rule rewards score (the token
+    ids hold observations too)."""
+
+    episode: Optional[dict] = None
+    """Multi-turn episodes: the conversation's messages and counts (agents.episode)."""
+
+    def sampled_mask(self) -> list[int]:
+        """1 on each token the engine sampled, 0 on observation tokens."""
+        return list(self.sampled) if self.sampled is not None else [1] * len(self.token_ids)
 
 
 @dataclass
@@ -86,8 +105,9 @@ class Generation:
 
     def response_tensors(self, pad_id: int = 0) -> dict[str, torch.Tensor]:
         """Right-padded prompt+response rows for the trainer: input_ids and attention_mask
-        [n_completions, longest], response_mask (1 on response tokens) and engine_logprobs
-        aligned to the token they score (0 elsewhere)."""
+        [n_completions, longest], response_mask (1 on the tokens the engine sampled: the
+        response, or a multi-turn episode's model turns) and engine_logprobs aligned to the
+        token they score (0 elsewhere)."""
         rows = [self.prompts[c.prompt_index] + c.token_ids for c in self.completions]
         longest = max(len(row) for row in rows)
         shape = (len(rows), longest)
@@ -99,7 +119,7 @@ class Generation:
             start = len(tokens) - len(completion.token_ids)
             input_ids[row, :len(tokens)] = torch.tensor(tokens)
             attention_mask[row, :len(tokens)] = 1
-            response_mask[row, start:len(tokens)] = 1
+            response_mask[row, start:len(tokens)] = torch.tensor(completion.sampled_mask())
             engine_logprobs[row, start:len(tokens)] = torch.tensor(completion.logprobs)
         tensors = {"input_ids": input_ids, "attention_mask": attention_mask,
                    "response_mask": response_mask, "engine_logprobs": engine_logprobs}
@@ -196,9 +216,10 @@ class RolloutEngine(abc.ABC):
         """Queue responses to generate (every rank of an engine instance adds the same ones)."""
         raise NotImplementedError(f"{type(self).__name__} has no streaming interface")
 
-    def has_unfinished(self) -> bool:
-        """Whether any request is in flight on any engine instance (collective over all of
-        them: every rank must call it at the same point)."""
+    def has_unfinished(self, local_work: bool = False) -> bool:
+        """Whether any request is in flight on any engine instance, or any rank said it has
+        `local_work` (requests it will add after more steps): collective over all of them,
+        every rank must call it at the same point, and step() exactly when it is true."""
         raise NotImplementedError(f"{type(self).__name__} has no streaming interface")
 
     def step(self) -> list[FinishedSample]:

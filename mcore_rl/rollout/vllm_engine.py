@@ -214,8 +214,14 @@ class VllmEngine(RolloutEngine):
                                             {"prompt_token_ids": list(request.prompt)}, params)
             self._streams[request.key] = ([], [])
 
-    def has_unfinished(self) -> bool:
-        return self.llm.llm_engine.has_unfinished_requests()
+    def has_unfinished(self, local_work: bool = False) -> bool:
+        engine = self.llm.llm_engine
+        if engine.dp_group is None:  # one instance: nothing to agree on
+            return local_work or engine.has_unfinished_requests()
+        # vLLM's own agreement over its data-parallel instances (an instance without requests
+        # of its own then steps a dummy batch), with this rank's pending work counted in.
+        return engine.has_unfinished_requests_dp(
+            local_work or engine.output_processor.has_unfinished_requests())
 
     def step(self) -> list[FinishedSample]:
         finished = []

@@ -1,0 +1,76 @@
+"""One conversation while it runs: its tokens (sampled or observed), its messages, its counts.
+
+The token list only ever grows: the prompt, then each model turn as the engine sampled it
+(mask 1, with its log-probs), then each observation as the chat template renders it (mask 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+COUNTS = ("tool_calls", "tool_errors", "parse_failures", "tool_seconds")
+"""The tool statistics an episode's environment reports after each step."""
+
+
+@dataclass
+class Episode:
+    """A running episode of prompt `prompt_index`, sample `sample_index`."""
+
+    key: str
+    prompt_index: int
+    sample_index: int
+    row: dict
+    """The dataset row the environment's reset receives."""
+
+    messages: list[dict] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    """1 on each token of token_ids the engine sampled."""
+    logprobs: list[float] = field(default_factory=list)
+    prompt_length: int = 0
+    """Tokens fed before the first turn."""
+    last_turn: list[int] = field(default_factory=list)
+    """The latest model turn's tokens."""
+    turns: int = 0
+    finish_reason: str = "stop"
+    """"stop" (the environment ended it) or "length" (a limit cut it short)."""
+    reward: float | None = None
+    """The environment's reward (None: the reward function of the row's data_source)."""
+    counts: dict = field(default_factory=lambda: {name: 0 for name in COUNTS})
+    flags: dict = field(default_factory=lambda: {
+        "tool_timeouts": 0, "observations_truncated": 0, "template_mismatches": 0,
+        "environment_failures": 0})
+
+    def start(self, messages: list[dict], prompt_ids: list[int]) -> None:
+        self.messages = list(messages)
+        self.token_ids = list(prompt_ids)
+        self.sampled = [0] * len(prompt_ids)
+        self.logprobs = [0.0] * len(prompt_ids)
+        self.prompt_length = len(prompt_ids)
+
+    def add_turn(self, token_ids: list[int], logprobs: list[float]) -> None:
+        self.token_ids += token_ids
+        self.sampled += [1] * len(token_ids)
+        self.logprobs += logprobs
+        self.last_turn = list(token_ids)
+        self.turns += 1
+
+    def add_observation(self, messages: list[dict], token_ids: list[int]) -> None:
+        self.messages += messages
+        self.token_ids += token_ids
+        self.sampled += [0] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+
+    def final_text(self) -> str:
+        """The last assistant message (what a reward function scores)."""
+        return next((m["content"] for m in reversed(self.messages)
+                     if m["role"] == "assistant"), "")
+
+    def summary(self) -> dict:
+        """The counts logged per episode (agents.metrics) and the conversation."""
+        sampled = sum(self.sampled)
+        return {"turns": self.turns, **self.counts, **self.flags,
+                "model_tokens": sampled,
+                "observation_tokens": len(self.token_ids) - self.prompt_length - sampled,
+                "truncated": int(self.finish_reason == "length"),
+                "messages": self.messages}

@@ -1,0 +1,187 @@
+"""The built-in `python` tool: run model-written code, give back what it printed.
+
+It is called inside a sandbox session (sandbox.py: no network, writes only in the session's
+directory, bounded processes and memory) and runs each piece of code in a process forked for
+that call, so that a hang, a memory blow-up or a crash costs that call only, and nothing the code
+does (globals, imports, monkey-patches, open files) reaches the next call or the session's
+environment. That process closes every descriptor it inherited but its output (the session's
+channel to the rank above all: model code must not speak for the session), sits in a process
+group of its own (killed as a group at the deadline, which takes its children along), dies with
+the session (PDEATHSIG), and has its own RLIMIT_AS and RLIMIT_CPU. Its file descriptors 1 and 2
+go into one pipe, so output of C code and of programs it starts is captured too; the caller keeps
+the first max_output_chars characters and discards the rest as it reads, so the code never
+blocks on a full pipe.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import select
+import signal
+import sys
+import time
+import traceback
+
+from .sandbox import describe_status, set_parent_death_signal
+
+READ_CHUNK_BYTES = 1 << 16
+
+
+def run_python(code: str, timeout_seconds: float, memory_mb: int,
+               max_output_chars: int = 4000) -> str:
+    """Run `code` as a script in a new process; return its stdout and stderr (at most
+    `max_output_chars` characters, then a note), with the exception's last traceback line when
+    it raised, or "error: timed out after X s" / the signal that ended it. Never raises for the
+    code's failures; leaves no process behind."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid, read_end = _start(code, timeout_seconds, memory_mb)
+    except OSError as error:  # out of processes or descriptors
+        return f"error: the code could not be started ({error.strerror})"
+    try:
+        output, timed_out = _collect(pid, read_end, timeout_seconds, max_output_chars)
+    finally:
+        os.close(read_end)
+        status = _end(pid)
+    if timed_out:
+        return _join(output, f"error: timed out after {timeout_seconds} s")
+    code_or_signal = os.waitstatus_to_exitcode(status)
+    return output if code_or_signal == 0 else _join(output, f"error: {describe_status(status)}")
+
+
+def _start(code: str, timeout_seconds: float, memory_mb: int) -> tuple[int, int]:
+    """Fork the process that runs the code; (its pid, the read end of its output)."""
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        raise
+    if pid == 0:
+        os.close(read_end)
+        _execute(code, write_end, timeout_seconds, memory_mb)
+    os.close(write_end)
+    return pid, read_end
+
+
+def _execute(code: str, output_fd: int, timeout_seconds: float, memory_mb: int) -> None:
+    """The forked process: confine, run the code, exit (never returns)."""
+    exit_code = 1
+    try:
+        os.setpgid(0, 0)
+        set_parent_death_signal()
+        _redirect_output(output_fd)
+        _close_inherited_descriptors()
+        _limit(resource.RLIMIT_AS, memory_mb << 20)
+        _limit(resource.RLIMIT_CPU, math.ceil(timeout_seconds) + 1)
+        exit_code = _run(code, memory_mb)
+    finally:
+        os._exit(exit_code)
+
+
+def _redirect_output(output_fd: int) -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # input() ends at once instead of reading the session's stdin
+    os.close(devnull)
+    os.dup2(output_fd, 1)
+    os.dup2(output_fd, 2)
+    os.close(output_fd)
+
+
+def _close_inherited_descriptors() -> None:
+    """Close every descriptor above 2 except those the import path goes through
+    (/proc/self/fd/N entries the sandbox puts on sys.path)."""
+    keep = {int(entry.rsplit("/", 1)[1]) for entry in sys.path
+            if entry.startswith("/proc/self/fd/")}
+    for name in os.listdir("/proc/self/fd"):
+        descriptor = int(name)
+        if descriptor > 2 and descriptor not in keep:
+            try:
+                os.close(descriptor)
+            except OSError:  # the directory listing's own descriptor, closed already
+                pass
+
+
+def _limit(kind: int, value: int) -> None:
+    """Lower both limits to `value` (never above the hard limit this process inherited)."""
+    hard = resource.getrlimit(kind)[1]
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    resource.setrlimit(kind, (value, value))
+
+
+def _run(code: str, memory_mb: int) -> int:
+    """Execute `code` as __main__; print the exception's last traceback line when it raises.
+    Returns the exit code."""
+    try:
+        exec(compile(code, "<python tool>", "exec"), {"__name__": "__main__"})
+        return 0
+    except SystemExit as exit_request:
+        if exit_request.code is None or isinstance(exit_request.code, int):
+            return exit_request.code or 0
+        print(exit_request.code, file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"MemoryError: the code ran out of its {memory_mb} MB of memory", file=sys.stderr)
+    except BaseException as error:
+        print("".join(traceback.format_exception_only(type(error), error)).rstrip(),
+              file=sys.stderr)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0
+
+
+def _collect(pid: int, read_end: int, timeout_seconds: float,
+             max_output_chars: int) -> tuple[str, bool]:
+    """Read the process's output until it exits and its pipe closes, or the deadline.
+    Returns (output text, whether the deadline passed)."""
+    deadline = time.monotonic() + timeout_seconds
+    kept, total_bytes = bytearray(), 0
+    limit_bytes = 4 * max_output_chars  # enough bytes for max_output_chars UTF-8 characters
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([read_end], [], [], remaining)[0]:
+            return _text(kept, total_bytes, max_output_chars), True
+        chunk = os.read(read_end, READ_CHUNK_BYTES)
+        if not chunk:
+            break
+        total_bytes += len(chunk)
+        kept += chunk[:max(0, limit_bytes - len(kept))]
+    if not _wait_for_exit(pid, deadline):
+        return _text(kept, total_bytes, max_output_chars), True
+    return _text(kept, total_bytes, max_output_chars), False
+
+
+def _wait_for_exit(pid: int, deadline: float) -> bool:
+    """Whether the process exits before the deadline (its output closed: it is ending, unless
+    it closed descriptors 1 and 2 itself)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        return bool(select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0])
+    finally:
+        os.close(pidfd)
+
+
+def _end(pid: int) -> int:
+    """Kill what is left of the process's group and reap the process; its wait status."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return os.waitpid(pid, 0)[1]
+
+
+def _text(kept: bytearray, total_bytes: int, max_output_chars: int) -> str:
+    text = kept.decode("utf-8", errors="replace")
+    if len(text) <= max_output_chars and total_bytes == len(kept):
+        return text
+    return _join(text[:max_output_chars],
+                 f"[output truncated to {max_output_chars} characters]")
+
+
+def _join(output: str, note: str) -> str:
+    return f"{output}\n{note}" if output and not output.endswith("\n") else output + note

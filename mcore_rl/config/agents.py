@@ -1,0 +1,121 @@
+"""Multi-turn rollouts: the model talks with an environment (tools, a game, a simulated user)
+over several turns before the episode is scored.
+
+An episode is trained on the tokens the engine sampled, never on text decoded and encoded again;
+observations are tokenised as the chat template renders them (mcore_rl/agents/chat.py). Whatever
+the model writes reaches the environment and its tools only inside sandboxed processes, with the
+limits below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TEMPLATE_MISMATCHES = ("error", "end")
+
+
+@dataclass(frozen=True)
+class ToolSandboxConfig:
+    """Limits of the processes that run environments and tools (one per episode)."""
+
+    timeout_seconds: float = 30.0
+    """Wall-clock limit of one environment call (reset, a step with its tools, the reward):
+    past it the episode's process is killed, the model sees an error and the episode ends."""
+
+    memory_mb: int = 1024
+    """Address-space limit of an episode's process (RLIMIT_AS)."""
+
+    cpu_seconds: float = 30.0
+    """CPU seconds one environment call may use."""
+
+    max_processes: int = 16
+    """Processes an episode's tools may start (RLIMIT_NPROC)."""
+
+    network: bool = False
+    """Whether tools may use the network (false: a private network namespace, or Landlock's
+    TCP rules where namespaces are unavailable)."""
+
+    def errors(self) -> list[str]:
+        """Broken rules, each naming its field (empty when valid)."""
+        prefix = "rollout.multi_turn.sandbox."
+        errors = [f"{prefix}{name}={getattr(self, name)} must be positive"
+                  for name in ("timeout_seconds", "memory_mb", "cpu_seconds", "max_processes")
+                  if getattr(self, name) <= 0]
+        return errors
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """Episodes of several turns instead of one response per prompt (off unless
+    `environment` or `tools` is set)."""
+
+    environment: str = ""
+    """"module:Class", a subclass of mcore_rl.agents.Environment: one instance per episode,
+    made in the episode's sandboxed process. Empty with `tools` set: the tools alone."""
+
+    tools: list[str] = field(default_factory=list)
+    """"module:function" tools offered to the model (documented functions: their type hints
+    and docstrings become the JSON schema), plus "python" for the built-in interpreter.
+    Added to the environment's own tools."""
+
+    tool_parser: str = "hermes"
+    """How tool calls are read from the model's text: "hermes" (<tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>, Qwen's and Hermes' format, read as vLLM's hermes parser
+    reads it) or "module:function" (text -> list of mcore_rl.agents.ToolCall, raising
+    mcore_rl.agents.ToolCallError on malformed calls)."""
+
+    max_turns: int = 4
+    """Model turns per episode; an episode still calling tools after its last turn is
+    truncated."""
+
+    max_episode_tokens: int = 1024
+    """Prompt + every turn + every observation, in tokens; an episode that would exceed it ends
+    (truncated, handled as rollout.overlong says)."""
+
+    max_observation_tokens: int = 256
+    """Longest observation message content, in tokens; longer contents are cut (counted)."""
+
+    python_timeout_seconds: float = 10.0
+    """Wall-clock limit of one run of the built-in python tool (shorter than
+    sandbox.timeout_seconds, so that a hung program is an error the model reads)."""
+
+    template_kwargs: dict = field(default_factory=dict)
+    """Extra arguments of the chat template (e.g. {enable_thinking: false} for Qwen3)."""
+
+    template_mismatch: str = "error"
+    """A chat template that does not render the conversation so far as a prefix of the
+    conversation with the next observation (e.g. one that drops earlier reasoning): "error"
+    stops the job naming the turn; "end" ends that episode there (counted)."""
+
+    sandbox: ToolSandboxConfig = field(default_factory=ToolSandboxConfig)
+    """Limits of the environments' and tools' processes."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts are multi-turn episodes."""
+        return bool(self.environment or self.tools)
+
+    def errors(self) -> list[str]:
+        """Broken rules, each naming its field (empty when valid)."""
+        prefix = "rollout.multi_turn."
+        errors = []
+        if self.tool_parser != "hermes" and ":" not in self.tool_parser:
+            errors.append(f"{prefix}tool_parser={self.tool_parser!r} must be 'hermes' or "
+                          "'module:function'")
+        if self.environment and ":" not in self.environment:
+            errors.append(f"{prefix}environment={self.environment!r} must be 'module:Class'")
+        errors += [f"{prefix}tools entry {tool!r} must be 'module:function' or 'python'"
+                   for tool in self.tools if tool != "python" and ":" not in tool]
+        if self.max_turns < 1:
+            errors.append(f"{prefix}max_turns={self.max_turns} must be >= 1")
+        if self.max_observation_tokens < 1:
+            errors.append(f"{prefix}max_observation_tokens={self.max_observation_tokens} must "
+                          "be >= 1")
+        if self.template_mismatch not in TEMPLATE_MISMATCHES:
+            errors.append(f"{prefix}template_mismatch={self.template_mismatch!r} must be one "
+                          f"of {TEMPLATE_MISMATCHES}")
+        if "python" in self.tools and not \
+                0 < self.python_timeout_seconds < self.sandbox.timeout_seconds:
+            errors.append(f"{prefix}python_timeout_seconds={self.python_timeout_seconds} must "
+                          f"be in (0, sandbox.timeout_seconds={self.sandbox.timeout_seconds})")
+        return errors + self.sandbox.errors()

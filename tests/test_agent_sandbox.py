@@ -1,0 +1,284 @@
+"""The tool sandbox (mcore_rl/agents/sandbox.py) and the python tool, with real processes: what a
+session may do, what the kernel refuses it, and that no process outlives the sandbox or its
+parent. Handlers: tests/agent_sandbox_handlers.py. Every loop is bounded, every socket on
+loopback."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from mcore_rl.agents.sandbox import Reply, Sandbox, SandboxLimits
+from mcore_rl.runtime.rank_guard import start_time
+
+TOOLBOX = "agent_sandbox_handlers:Toolbox"
+LIMITS = SandboxLimits(timeout_seconds=1.5, memory_mb=256, cpu_seconds=5.0, max_processes=8,
+                       max_file_mb=1)
+REPLY_WAIT_SECONDS = 10.0
+"""How long a test waits for a reply that should come within a call's timeout."""
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    sandbox = Sandbox(LIMITS, name="test")
+    yield sandbox
+    sandbox.shutdown()
+
+
+def replies_for(sandbox: Sandbox, count: int) -> dict[str, list[Reply]]:
+    """The next `count` replies, by session key."""
+    replies: dict[str, list[Reply]] = {}
+    deadline = time.monotonic() + REPLY_WAIT_SECONDS
+    received = 0
+    while received < count and time.monotonic() < deadline:
+        for reply in sandbox.poll(timeout=0.2):
+            replies.setdefault(reply.key, []).append(reply)
+            received += 1
+    assert received == count, f"{received} of {count} replies within {REPLY_WAIT_SECONDS} s"
+    return replies
+
+
+def call(sandbox: Sandbox, key: str, request) -> Reply:
+    sandbox.send(key, request)
+    (reply,) = replies_for(sandbox, 1)[key]
+    return reply
+
+
+def opened(sandbox: Sandbox, *keys: str, start: int = 0) -> None:
+    for key in keys:
+        sandbox.open(key, TOOLBOX, start)
+    replies = replies_for(sandbox, len(keys))
+    for key in keys:
+        assert replies[key][0].ok and not replies[key][0].ended, replies[key]
+
+
+def gone(pid: int, started: int, within_seconds: float = 5.0) -> bool:
+    """Whether the process (pid, start time) is gone - or a zombie - within the time."""
+    deadline = time.monotonic() + within_seconds
+    while start_time(pid) == started:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_state_persists_per_session_and_sessions_are_apart(sandbox):
+    opened(sandbox, "counter-a")
+    sandbox.open("counter-b", TOOLBOX, 100)
+    assert replies_for(sandbox, 1)["counter-b"][0].ok
+    for request in (("add", 1), ("add", 2)):
+        sandbox.send("counter-a", request)
+    sandbox.send("counter-b", ("add", 1))
+    replies = replies_for(sandbox, 3)
+    assert [reply.value for reply in replies["counter-a"]] == [1, 3]  # in order, state kept
+    assert [reply.value for reply in replies["counter-b"]] == [101]
+    directory_a = call(sandbox, "counter-a", ("cwd",)).value
+    directory_b = call(sandbox, "counter-b", ("cwd",)).value
+    assert directory_a != directory_b and os.path.dirname(directory_a) == os.path.dirname(
+        directory_b)
+    pids = sandbox.pids()
+    assert pids["counter-a"] != pids["counter-b"] != pids["zygote"] != os.getpid()
+
+
+def test_mechanisms_on_this_machine_deny_the_network(sandbox):
+    mechanisms = sandbox.mechanisms()
+    assert mechanisms["network"] in ("netns", "landlock"), mechanisms
+    if os.getuid() == 0:
+        assert mechanisms["user"] in ("nobody", "root"), mechanisms
+
+
+def test_handler_error_is_a_reply_and_the_session_goes_on(sandbox):
+    opened(sandbox, "raises")
+    reply = call(sandbox, "raises", ("fail", "no such tool"))
+    assert (reply.ok, reply.error, reply.ended) == (False, "ValueError: no such tool", False)
+    assert call(sandbox, "raises", ("add", 5)).value == 5
+
+
+def test_only_plain_data_comes_back(sandbox):
+    opened(sandbox, "replies")
+    reply = call(sandbox, "replies", ("itself",))
+    assert not reply.ok and not reply.ended
+    assert reply.error.startswith("the reply cannot be sent back (only plain data can): "
+                                  "UnpicklingError: agent_sandbox_handlers.Toolbox"), reply.error
+    assert call(sandbox, "replies", ("add", 1)).value == 1
+
+
+def test_failing_factory_ends_its_session(sandbox):
+    sandbox.open("bad-start", TOOLBOX, -1)
+    (reply,) = replies_for(sandbox, 1)["bad-start"]
+    assert not reply.ok and reply.ended
+    assert reply.error == "ValueError: a toolbox starts at 0 or more, not -1"
+    late = call(sandbox, "bad-start", ("add", 1))
+    assert (late.ok, late.error, late.ended) == (False, "session ended", True)
+
+
+def test_hanging_call_is_killed_at_the_timeout_and_others_go_on(sandbox):
+    opened(sandbox, "hangs", "bystander")
+    pid = sandbox.pids()["hangs"]
+    started = start_time(pid)
+    sandbox.send("hangs", ("spin",))
+    sandbox.send("hangs", ("add", 1))  # queued behind the hang: answered "session ended"
+    sandbox.send("bystander", ("add", 7))
+    replies = replies_for(sandbox, 3)
+    assert replies["bystander"][0].value == 7
+    timeout, queued = replies["hangs"]
+    assert (timeout.ok, timeout.error, timeout.ended) == (False, "timeout after 1.5 s", True)
+    assert LIMITS.timeout_seconds <= timeout.seconds < LIMITS.timeout_seconds + 1.0
+    assert (queued.error, queued.ended) == ("session ended", True)
+    assert gone(pid, started)
+    assert call(sandbox, "bystander", ("add", 1)).value == 8
+    opened(sandbox, "after-the-hang")
+    assert call(sandbox, "after-the-hang", ("add", 2)).value == 2
+
+
+def test_cpu_time_limit_ends_the_session():
+    sandbox = Sandbox(SandboxLimits(timeout_seconds=10.0, cpu_seconds=1.0), name="test-cpu")
+    try:
+        opened(sandbox, "spins")
+        reply = call(sandbox, "spins", ("spin",))
+    finally:
+        sandbox.shutdown()
+    assert (reply.ok, reply.ended) == (False, True)
+    assert reply.error == "session process died (killed by SIGXCPU (CPU time limit))"
+    assert reply.seconds < 5.0
+
+
+def test_memory_bomb_is_refused_and_the_session_goes_on(sandbox):
+    opened(sandbox, "allocates")
+    reply = call(sandbox, "allocates", ("allocate", 16 * LIMITS.memory_mb))
+    assert (reply.ok, reply.error, reply.ended) == (False, "MemoryError", False)
+    assert call(sandbox, "allocates", ("allocate", 16)).value == f"allocated {16 << 20} bytes"
+
+
+def test_network_is_denied_inside_but_works_outside(sandbox):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+        opened(sandbox, "connects")
+        reply = call(sandbox, "connects", ("connect", port))
+    assert reply.value in ("refused: Network is unreachable", "refused: Permission denied")
+
+
+def test_writes_only_beneath_the_sessions_directory(sandbox):
+    if sandbox.mechanisms()["filesystem"] != "landlock":
+        pytest.skip("no Landlock on this kernel: writes are limited by file permissions only")
+    opened(sandbox, "writes", "neighbour")
+    outside = f"/tmp/mcore_rl-escape-{uuid.uuid4().hex}"
+    assert call(sandbox, "writes", ("write", outside)).value == "refused: Permission denied"
+    assert not os.path.exists(outside)
+    neighbour_file = os.path.join(call(sandbox, "neighbour", ("cwd",)).value, "planted")
+    assert call(sandbox, "writes", ("write", neighbour_file)).value == "refused: Permission denied"
+    assert call(sandbox, "writes", ("write", "inside.txt")).value == "written"
+    inside = os.path.join(call(sandbox, "writes", ("cwd",)).value, "inside.txt")
+    assert open(inside).read() == "x"
+
+
+def test_fork_loop_stops_at_the_process_limit(sandbox):
+    opened(sandbox, "forks")
+    reply = call(sandbox, "forks", ("fork_children", 64, 0.3))
+    assert reply.ok, reply
+    assert reply.value == (f"forked {LIMITS.max_processes}, then: Resource temporarily "
+                           "unavailable"), reply.value
+
+
+def test_python_tool(sandbox):
+    opened(sandbox, "python")
+
+    def python(code: str, timeout_seconds: float = 1.0, max_output_chars: int = 4000) -> str:
+        return call(sandbox, "python", ("python", code, timeout_seconds, max_output_chars)).value
+
+    assert python("print('hello'); print(6 * 7)") == "hello\n42\n"
+    assert python("print('before')\n{}['missing']") == "before\nKeyError: 'missing'\n"
+    assert python("while True:\n    pass", timeout_seconds=0.5) == "error: timed out after 0.5 s"
+    assert python("print('x' * 10000)", max_output_chars=100) == (
+        "x" * 100 + "\n[output truncated to 100 characters]")
+    assert python("blob = bytearray(1 << 30)") == (
+        "MemoryError: the code ran out of its 256 MB of memory\n")
+    assert python("import os, time\nif os.fork() == 0:\n    time.sleep(30)\nprint('parent')") \
+        == "parent\n"
+    assert call(sandbox, "python", ("children",)).value == []  # nothing left behind
+    forge_replies = ("import os, struct\nfor fd in range(3, 256):\n    try:\n"
+                     "        os.write(fd, struct.pack('!i', 5) + b'forged')\n"
+                     "    except OSError:\n        pass")
+    assert python(forge_replies) == ""  # the session's channel is not among its descriptors
+    assert call(sandbox, "python", ("add", 3)).value == 3
+    assert python("x = 1") == ""  # no state kept between calls
+    assert python("print(x)") == "NameError: name 'x' is not defined\n"
+
+
+def test_shutdown_leaves_no_process_and_no_directory():
+    sandbox = Sandbox(LIMITS, name="test-shutdown")
+    opened(sandbox, "one", "two")
+    sandbox.send("two", ("spin",))
+    directory = sandbox.directory
+    assert os.path.dirname(call(sandbox, "one", ("cwd",)).value) == directory
+    processes = {pid: start_time(pid) for pid in sandbox.pids().values()}
+    sandbox.shutdown()
+    sandbox.shutdown()
+    assert len(processes) == 3 and all(gone(pid, started) for pid, started in processes.items())
+    assert not os.path.exists(directory)
+    with pytest.raises(RuntimeError, match="shut down"):
+        sandbox.open("three", TOOLBOX, 0)
+
+
+PARENT_SCRIPT = """
+import json, sys, time
+from mcore_rl.agents.sandbox import Sandbox, SandboxLimits
+sandbox = Sandbox(SandboxLimits(timeout_seconds=30, max_processes=8), name="test-orphans")
+for key in ("a", "b", "c"):
+    sandbox.open(key, "agent_sandbox_handlers:Toolbox", 0)
+replies = []
+deadline = time.monotonic() + 10
+while len(replies) < 3 and time.monotonic() < deadline:
+    replies += sandbox.poll(0.2)
+sandbox.send("c", ("spin",))
+sandbox.send("b", ("python", "import time; time.sleep(30)", 30))
+sandbox.send("a", ("cwd",))
+while not any(reply.key == "a" for reply in sandbox.poll(0.2)) and time.monotonic() < deadline:
+    pass
+print(json.dumps(sandbox.pids()), flush=True)
+print(sandbox.directory, flush=True)
+time.sleep(30)
+"""
+
+
+def test_parent_killed_takes_every_sandbox_process_along():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_SCRIPT], cwd=root, env=environment,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(parent.stdout.readline())
+        directory = parent.stdout.readline().strip()
+        assert sorted(pids) == ["a", "b", "c", "zygote"]
+        deadline = time.monotonic() + 5
+        while len(_with_descendants(pids.values())) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the python tool's process under session "b" is starting
+        processes = {pid: start_time(pid) for pid in _with_descendants(pids.values())}
+        assert len(processes) >= 5, processes
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    alive = [pid for pid, started in processes.items() if not gone(pid, started)]
+    assert alive == []
+    assert os.path.isabs(directory) and not os.path.exists(directory)  # the zygote removed it
+
+
+def _with_descendants(pids) -> set[int]:
+    found = set(pids)
+    for pid in list(found):
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as handle:
+                found |= {int(child) for child in handle.read().split()}
+        except OSError:
+            pass
+    return found
