@@ -55,3 +55,15 @@ class Broken(Environment):
 
     def __init__(self):
         raise RuntimeError("no table today")
+
+
+class Countdown(Environment):
+    """Answers every model turn with the turns left until the third, whatever the model wrote:
+    multi-turn episodes even from a random model."""
+
+    def reset(self, row):
+        self.turns = 0
+
+    def step(self, assistant_message):
+        self.turns += 1
+        return None if self.turns == 3 else [{"role": "tool", "content": str(3 - self.turns)}]

@@ -218,10 +218,14 @@ class VllmEngine(RolloutEngine):
         engine = self.llm.llm_engine
         if engine.dp_group is None:  # one instance: nothing to agree on
             return local_work or engine.has_unfinished_requests()
-        # vLLM's own agreement over its data-parallel instances (an instance without requests
-        # of its own then steps a dummy batch), with this rank's pending work counted in.
-        return engine.has_unfinished_requests_dp(
-            local_work or engine.output_processor.has_unfinished_requests())
+        # vLLM's own agreement over its data-parallel instances, with this rank's pending work
+        # counted in. Every instance takes part in each forward step of the others, so one
+        # with no request of its own (also one that only waits for its local work) steps a
+        # dummy batch.
+        busy = engine.output_processor.has_unfinished_requests()
+        anyone = engine.has_unfinished_requests_dp(busy or local_work)
+        engine.should_execute_dummy_batch = anyone and not busy
+        return anyone
 
     def step(self) -> list[FinishedSample]:
         finished = []

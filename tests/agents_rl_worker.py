@@ -1,0 +1,58 @@
+"""One rank of the multi-turn RL world (tests/test_agents_rl.py): a batch of episodes through
+vLLM, with every token the engine sampled recorded, then one update."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import load_config
+from mcore_rl.rl import Trainer
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart",
+                      "agents_grpo.yaml")
+
+
+def collect_and_update(out_path: str, overrides: list[str]) -> None:
+    trainer = Trainer(load_config(CONFIG, overrides))
+    engine = trainer.scheduler.generator.engine
+    sampled, step = [], engine.step
+
+    def recording_step():
+        finished = step()
+        sampled.extend((sample.key, sample.token_ids, sample.logprobs) for sample in finished)
+        return finished
+
+    engine.step = recording_step
+    experience = trainer.collect_data()
+    metrics = trainer.update_policy(experience)
+    batch = experience.batch
+    mask = batch["response_mask"].bool()
+    episodes = {}  # "p<prompt>/s<sample>" -> its turns' tokens in order
+    for key, token_ids, _ in sorted(sampled, key=lambda item: _turn_order(item[0])):
+        episodes.setdefault(key.split("/", 1)[1].rpartition("/t")[0], []).extend(token_ids)
+    engine_order = [episodes[key] for key in sorted(episodes, key=_row_order)]
+    result = {"trained": [row[m].tolist() for row, m in zip(batch["input_ids"], mask)],
+              "sampled": engine_order,
+              "mismatch": float((batch["engine_logprobs"] - batch["old_logprobs"])[mask]
+                                .abs().max()),
+              "metrics": metrics}
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)
+    trainer.close()
+
+
+def _turn_order(key: str) -> tuple[int, int, int]:
+    """"e1/p3/s2/t1" -> (3, 2, 1)."""
+    _, prompt, sample, turn = key.split("/")
+    return int(prompt[1:]), int(sample[1:]), int(turn[1:])
+
+
+def _row_order(key: str) -> tuple[int, int]:
+    """"p3/s2" -> (3, 2): the order of the batch's rows."""
+    prompt, sample = key.split("/")
+    return int(prompt[1:]), int(sample[1:])
