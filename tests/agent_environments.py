@@ -1,5 +1,7 @@
 """Environments and tools the agents tests run in the sandbox (importable there by name)."""
 
+import time
+
 from mcore_rl.agents import Environment
 
 TABLE = {"a": "7", "b": "3", "c": "4"}
@@ -67,3 +69,16 @@ class Countdown(Environment):
     def step(self, assistant_message):
         self.turns += 1
         return None if self.turns == 3 else [{"role": "tool", "content": str(3 - self.turns)}]
+
+
+class SlowFirstPrompt(Lookup):
+    """Lookup whose first step takes a while on prompts that ask for it ("slow ...")."""
+
+    def reset(self, row):
+        super().reset(row)
+        self.slow = row["prompt"][0]["content"].startswith("slow")
+
+    def step(self, assistant_message):
+        if self.slow and not self.looked_up:
+            time.sleep(0.5)
+        return super().step(assistant_message)

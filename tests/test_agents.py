@@ -317,3 +317,33 @@ def test_the_hermes_parser_reads_calls_as_vllms_does(smollm2):
         assert [(c.name, c.arguments) for c in parse_hermes(text)] == expected, text
     with pytest.raises(ToolCallError, match="not valid JSON"):
         parse_hermes('<tool_call>{"name": lookup}</tool_call>')
+
+
+def test_episodes_do_not_wait_for_each_other(smollm2):
+    """While the slow episode's environment works on its first turn, the fast one runs its
+    three turns through the engine (no barrier per turn)."""
+    runner = runner_for(smollm2, MultiTurnConfig(environment="agent_environments:SlowFirstPrompt"))
+    try:
+        engine = ScriptedEngine(sampled_turns(smollm2, runner.chat))
+        records = [record("slow: what is stored under a, b and c?"), record()]
+        runner.run(engine, records, SamplingConfig(seed=0), 512)
+    finally:
+        runner.close()
+    order = list(engine.returned)  # the order the engine finished the turns in
+    assert order.index("e1/p1/s0/t2") < order.index("e1/p0/s0/t1")
+
+
+def test_trainer_takes_an_environment_class_that_its_processes_can_import():
+    from agent_environments import Lookup
+
+    from mcore_rl.config import load_config
+    from mcore_rl.rl.api import with_environment
+
+    config = with_environment(load_config(None, []), Lookup)
+    assert config.rollout.multi_turn.environment == "agent_environments:Lookup"
+
+    class Local(Lookup):
+        pass
+
+    with pytest.raises(ValueError, match="Local must be importable from a module"):
+        with_environment(config, Local)

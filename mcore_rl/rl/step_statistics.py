@@ -60,15 +60,14 @@ EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "parse_
 
 
 def episode_statistics(completions: list, stats: SumsAndCounts) -> None:
-    """Multi-turn episodes' means per episode (nothing for single-turn responses), and
-    episode/tool_use: the share of episodes with at least one tool call that worked."""
-    episodes = [completion.episode for completion in completions if completion.episode]
-    if not episodes:
-        return
+    """Multi-turn episodes' means per episode, and episode/tool_use: the share of episodes
+    with at least one tool call that worked (every rank adds every name, also with none)."""
+    episodes = [completion.episode for completion in completions]
     for name in EPISODE_COUNTS:
-        stats.add(f"episode/{name}", torch.tensor([float(e[name]) for e in episodes]))
+        stats.add(f"episode/{name}", torch.tensor([float(e[name]) for e in episodes],
+                                                  dtype=torch.float64))
     stats.add("episode/tool_use", torch.tensor(
-        [float(e["tool_calls"] > e["tool_errors"]) for e in episodes]))
+        [float(e["tool_calls"] > e["tool_errors"]) for e in episodes], dtype=torch.float64))
 
 
 def off_policy_statistics(batch: dict, rollout: Rollout, step: int,

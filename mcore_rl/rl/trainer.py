@@ -170,7 +170,8 @@ class Trainer:
             add_advantages(batch, self.config.algorithm, self.kl_controller, self.dp_group, stats)
         rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats,
                            mismatch=self.config.rollout.old_logprobs == "trainer")
-        episode_statistics(rollout.generation.completions, stats)
+        if self.config.rollout.multi_turn.enabled:
+            episode_statistics(rollout.generation.completions, stats)
         off_policy_statistics(batch, rollout, self.step,
                               self.config.rollout.importance_correction(), stats)
         self.scheduler.add_metrics(stats)
