@@ -118,6 +118,32 @@ def test_a_client_rewriting_its_history_gives_a_valid_counted_trajectory(smollm2
     assert "Quickly." in text and text.startswith(smollm2.decode(prompt + sampled))
 
 
+async def tool_dropping_agent(row, base_url):
+    """Offers Lookup's tools for the first completion only."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(model="policy", messages=messages,
+                                                 tools=tool_schemas(Lookup, {}))
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": "call_0_0", "content": "7"}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    await client.close()
+    return 1.0
+
+
+def test_changed_tools_are_a_rewrite_not_a_template_error(qwen_style):
+    """Qwen's template renders the tools into the system prompt: with other tools the second
+    prompt does not continue the first completion (counted), and only it is trained."""
+    turns = sampled_turns(qwen_style, lookup_chat(qwen_style))
+    generation, engine = run_agent(qwen_style, tool_dropping_agent, turns,
+                                   sampling=SamplingConfig(seed=0))
+    completion = generation.completions[0]
+    assert (completion.episode["history_rewrites"], completion.episode["turns"]) == (1, 1)
+    prompt, sampled, _ = engine.turns_of("p0/s0")[-1]
+    assert generation.prompts[0] + completion.token_ids == prompt + sampled
+    assert [t for t, m in zip(completion.token_ids, completion.sampled) if m] == sampled
+
+
 def lookup_chat(tokenizer) -> ChatFormat:
     """The chat format of Lookup's episodes (what test_agents' script is encoded with)."""
     return ChatFormat(tokenizer, tool_schemas(Lookup, {}))
@@ -152,10 +178,11 @@ async def probing_agent(row, base_url):
     """Requests the endpoint refuses, then one it answers with token ids and log-probs."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
     refused = []
-    for extra in ({"n": 2}, {"stream": True}, {"stop": ["\n"]}):
+    for extra in ({"n": 2}, {"stream": True}, {"stop": ["\n"]},
+                  {"messages": [{"content": "who am I?"}]}):
         try:
-            await client.chat.completions.create(model="policy", messages=row["prompt"],
-                                                 **extra)
+            await client.chat.completions.create(**{"model": "policy",
+                                                    "messages": row["prompt"], **extra})
         except openai.BadRequestError as error:
             refused.append((error.status_code, error.body["message"]))
     response = await client.chat.completions.create(model="policy", messages=row["prompt"],
@@ -173,10 +200,11 @@ def test_the_endpoint_speaks_openai_and_refuses_what_it_cannot_honour(smollm2):
     turns = [chat.encode(SCRIPT[-1]) + [chat.end_of_turn_id]]
     generation, engine = run_agent(smollm2, probing_agent, turns, sampling=SamplingConfig(seed=0))
     codes, messages = zip(*PROBED["refused"])
-    assert codes == (400, 400, 400)
+    assert codes == (400, 400, 400, 400)
     assert messages[0].startswith("n=2 is not supported here: one choice per request")
     assert messages[1].startswith("stream=True is not supported here")
     assert messages[2].startswith("stop=['\\n'] is not supported here")
+    assert messages[3] == 'messages[0]: a message must be an object with a "role" string'
     response = PROBED["response"]
     [(prompt, sampled, logprobs)] = engine.turns_of("p0/s0")
     assert response.prompt_token_ids == prompt and response.choices[0].token_ids == sampled

@@ -67,6 +67,8 @@ class Turn:
     """The episode's request count when this one arrived (its seed and engine key follow)."""
     signatures: list[tuple]
     """The request's messages, comparable (`signature`)."""
+    tools: str
+    """The request's tools (JSON): a completion continues only one offered the same tools."""
     history: list[dict]
     """The request's messages as rendered: the model's turns as their sampled text."""
     prompt_ids: list[int]
@@ -121,7 +123,7 @@ class ChatEndpoint:
 
     def chat(self, tools: list[dict] | None) -> ChatFormat:
         """The chat template with a request's tools (made once per tool set)."""
-        key = json.dumps(tools, sort_keys=True)
+        key = _tools_key(tools)
         if key not in self._formats:
             self._formats[key] = ChatFormat(self.tokenizer, tools,
                                             dict(self.config.template_kwargs))
@@ -172,34 +174,36 @@ class ChatEndpoint:
     def _turn(self, episode: AgentEpisode, body: dict, chat: ChatFormat) -> Turn:
         """The request as a Turn: its prompt ids continue an earlier completion where one
         matches, else the messages are rendered anew (counted after the first request)."""
-        messages = body["messages"]
+        messages, tools = body["messages"], _tools_key(chat.tools)
         signatures = [signature(message) for message in messages]
         turn = episode.requests
         episode.requests += 1
         try:
-            chained = self._continued(episode, messages, signatures, chat)
+            chained = self._continued(episode, messages, signatures, tools, chat)
         except TemplateMismatch as mismatch:
             if self.config.template_mismatch == "error":
                 self.submit(mismatch)
                 raise
             episode.counts["template_mismatches"] += 1
-            return Turn(episode, turn, signatures, [], [], 0, chained=False)
+            return Turn(episode, turn, signatures, tools, [], [], 0, chained=False)
         if chained is None:
             episode.counts["history_rewrites"] += bool(episode.completions)
             history = [self._as_sampled(episode, message, chat) for message in messages]
             prompt_ids = chat.prompt_ids(history)
         else:
             prompt_ids, history = chained
-        return Turn(episode, turn, signatures, history, prompt_ids,
+        return Turn(episode, turn, signatures, tools, history, prompt_ids,
                     self._room(turn, body, prompt_ids), chained=chained is not None)
 
-    def _continued(self, episode: AgentEpisode, messages: list[dict], signatures: list[tuple],
-                   chat: ChatFormat) -> tuple[list[int], list[dict]] | None:
-        """(prompt ids, rendered history) continuing the latest completion whose messages
-        start this request's and whose answer is the request's next message; None if none."""
+    @staticmethod
+    def _continued(episode: AgentEpisode, messages: list[dict], signatures: list[tuple],
+                   tools: str, chat: ChatFormat) -> tuple[list[int], list[dict]] | None:
+        """(prompt ids, rendered history) continuing the latest completion with the same tools
+        whose messages start this request's and whose answer is the request's next message;
+        None if none."""
         for previous in reversed(episode.completions):
             seen = len(previous.signatures)
-            if previous.reply is None or len(messages) <= seen or \
+            if previous.reply is None or previous.tools != tools or len(messages) <= seen or \
                     signatures[:seen] != previous.signatures or \
                     signatures[seen] != signature(previous.reply):
                 continue
@@ -253,7 +257,8 @@ class ChatEndpoint:
 def signature(message: dict) -> tuple:
     """What two messages must share to be the same message: role, text (None as ""), and the
     tool calls by name and parsed arguments (ids and other fields ignored)."""
-    calls = tuple((call["function"]["name"], _arguments_text(call["function"]["arguments"]))
+    calls = tuple((call["function"]["name"],
+                   _arguments_text(call["function"].get("arguments", {})))
                   for call in message.get("tool_calls") or ())
     return message.get("role"), _text(message.get("content")), calls
 
@@ -268,9 +273,13 @@ def template_message(message: dict) -> dict:
     if message.get("tool_calls"):
         plain["tool_calls"] = [{"type": "function", "function": {
             "name": call["function"]["name"],
-            "arguments": _arguments(call["function"]["arguments"])}}
+            "arguments": _arguments(call["function"].get("arguments", {}))}}
             for call in message["tool_calls"]]
     return plain
+
+
+def _tools_key(tools: list[dict] | None) -> str:
+    return json.dumps(tools, sort_keys=True)
 
 
 def _text(content) -> str:
@@ -301,9 +310,25 @@ def _unsupported(body) -> str | None:
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or \
             not body["messages"]:
         return "messages: a non-empty list of messages is required"
+    for index, message in enumerate(body["messages"]):
+        problem = _message_problem(message)
+        if problem:
+            return f"messages[{index}]: {problem}"
     for name, (is_set, reason) in UNSUPPORTED.items():
         if is_set(body.get(name)):
             return f"{name}={body[name]!r} is not supported here: {reason}"
+    return None
+
+
+def _message_problem(message) -> str | None:
+    """What makes a request message unreadable (None: nothing)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        return "a message must be an object with a \"role\" string"
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list) or not all(
+            isinstance(call, dict) and isinstance(call.get("function"), dict)
+            and isinstance(call["function"].get("name"), str) for call in calls):
+        return "tool_calls must be a list of {\"function\": {\"name\", \"arguments\"}}"
     return None
 
 
