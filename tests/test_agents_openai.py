@@ -8,7 +8,9 @@ what the endpoint cannot honour is refused with HTTP 400.
 
 import asyncio
 import copy
+import dataclasses
 import os
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -19,11 +21,12 @@ from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
 from mcore_rl.agents import AgentRunner, ChatFormat, tool_schemas
-from mcore_rl.config import JobConfig
+from mcore_rl.config import ConfigError, JobConfig
 from mcore_rl.config.agents import MultiTurnConfig
 from mcore_rl.config.rollout import SamplingConfig
 from mcore_rl.conversion.gguf_to_hf import SMOLLM2_FILE, smollm2_gguf_path
 from mcore_rl.rl.api import with_agent
+from mcore_rl.rl.build import build_episode_runner
 
 AGENT = MultiTurnConfig(agent="agent_environments:lookup_agent")
 SAMPLING = SamplingConfig(n=2, seed=3)
@@ -229,9 +232,20 @@ def test_the_agent_is_configured_alone_and_must_be_an_async_function(smollm2):
         AgentRunner.build(MultiTurnConfig(agent="agent_environments:nope"), smollm2)
     config = with_agent(JobConfig(), lookup_agent)
     assert config.rollout.multi_turn.agent == "agent_environments:lookup_agent"
+    runner = build_episode_runner(config, SimpleNamespace(tokenizer=smollm2))
+    assert isinstance(runner, AgentRunner) and runner.agent is lookup_agent
+    runner.close()
+    broken = with_multi_turn(config, MultiTurnConfig(agent="agent_environments:add"))
+    with pytest.raises(ConfigError, match="rollout.multi_turn: .*must be an async function"):
+        build_episode_runner(broken, SimpleNamespace(tokenizer=smollm2))
     async def local_agent(row, base_url):
         return 0.0
 
     for agent in (local_agent, lambda row, base_url: 0.0):
         with pytest.raises(ValueError, match="must be a module-level async function"):
             with_agent(JobConfig(), agent)
+
+
+def with_multi_turn(config: JobConfig, multi_turn: MultiTurnConfig) -> JobConfig:
+    return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
+                                                                   multi_turn=multi_turn))

@@ -28,6 +28,7 @@ from mcore_rl.config.agents import MultiTurnConfig
 from mcore_rl.config.rollout import SamplingConfig
 from mcore_rl.rollout import Generation, RolloutEngine, SampleRequest
 
+from .chat import ChatFormat
 from .episode import Episode
 from .openai_endpoint import AgentEpisode, ChatEndpoint, Turn
 from .runner import IDLE_POLL_SECONDS, TURN_SEED_STRIDE, episode_row, episodes_generation
@@ -168,24 +169,18 @@ class AgentRunner:
 
     # -- the trajectory ------------------------------------------------------------------------
     def _assembled(self, agent_episode: AgentEpisode, result: AgentResult, record) -> Episode:
-        """The episode's trajectory from its completions (`longest_chain`): the first kept
-        prompt, then each kept completion's sampled ids (mask 1) and the ids the next prompt
-        adds (mask 0)."""
+        """The episode's trajectory from its completions (`longest_chain`), with its counts;
+        its messages are the conversation as the template rendered it (the model's turns as
+        their sampled text, as in the Environment path)."""
         episode = Episode(agent_episode.key, agent_episode.prompt_index,
                           agent_episode.sample_index, episode_row(record))
         chain = longest_chain(agent_episode.completions)
-        if not chain:  # the agent never got an answer: the prompt alone
+        if chain:
+            _add_chain(episode, chain, self.endpoint.chat(None))
+        else:  # the agent never got an answer: its prompt alone
             messages = [{"role": "user", "content": record.prompt}] \
                 if isinstance(record.prompt, str) else list(record.prompt)
             episode.start(messages, self.endpoint.chat(None).prompt_ids(messages))
-        else:
-            episode.start(chain[0].history, chain[0].prompt_ids)
-            for turn, following in zip(chain, chain[1:] + [None]):
-                episode.add_turn(turn.sampled_ids, turn.logprobs)
-                if following is not None:
-                    episode.add_observation([], following.prompt_ids[_covered(turn):])
-            chat = self.endpoint.chat(None)
-            episode.messages = chain[-1].history + [chat.assistant_message(chain[-1].sampled_ids)]
         truncated = agent_episode.truncated or bool(chain) and chain[-1].finish_reason == "length"
         episode.finish_reason = "length" if truncated else "stop"
         counts = agent_episode.counts
@@ -196,6 +191,17 @@ class AgentRunner:
                              agent_failures=int(result.error is not None))
         episode.reward = result.reward
         return episode
+
+
+def _add_chain(episode: Episode, chain: list[Turn], chat: ChatFormat) -> None:
+    """The chain's tokens into `episode`: the first prompt, then each completion's sampled ids
+    (mask 1) and the ids the next prompt adds (mask 0)."""
+    episode.start(chain[0].history, chain[0].prompt_ids)
+    for turn, following in zip(chain, chain[1:] + [None]):
+        episode.add_turn(turn.sampled_ids, turn.logprobs)
+        if following is not None:
+            episode.add_observation([], following.prompt_ids[_covered(turn):])
+    episode.messages = chain[-1].history + [chat.assistant_message(chain[-1].sampled_ids)]
 
 
 def longest_chain(completions: list[Turn]) -> list[Turn]:
