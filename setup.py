@@ -32,6 +32,7 @@ setup(
         "vllm": ["vllm>=0.32,<0.33"],  # mcore_rl.rollout.vllm_engine.SUPPORTED_VLLM
         "te": ["transformer-engine[pytorch]"],
         "wandb": ["wandb>=0.31,<0.32"],  # trainer.wandb_project
+        "agents": ["fastapi", "uvicorn", "openai"],  # rollout.multi_turn.agent
     },
     entry_points={
         "console_scripts": ["mcore-rl=mcore_rl.cli:main"],

@@ -1,8 +1,10 @@
-"""Environments and tools the agents tests run in the sandbox (importable there by name)."""
+"""Environments and tools the agents tests run in the sandbox (importable there by name), and
+agents written against the OpenAI API that play the same game through the rank's endpoint."""
 
+import json
 import time
 
-from mcore_rl.agents import Environment
+from mcore_rl.agents import Environment, tool_schemas
 
 TABLE = {"a": "7", "b": "3", "c": "4"}
 
@@ -82,3 +84,41 @@ class SlowFirstPrompt(Lookup):
         if self.slow and not self.looked_up:
             time.sleep(0.5)
         return super().step(assistant_message)
+
+
+async def lookup_agent(row, base_url, edit_history=False):
+    """Lookup's game as an OpenAI SDK agent: it offers Lookup's tools, runs each lookup itself
+    and sends the results back, until an answer without tool calls; the reward is Lookup's
+    (the number of lookups). edit_history: rewrite the question once the first result is in
+    (a client that does not send its history back as it got it)."""
+    from openai import AsyncOpenAI
+
+    messages, looked_up = list(row["prompt"]), 0
+    async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        while True:
+            response = await client.chat.completions.create(
+                model="policy", messages=messages, tools=tool_schemas(Lookup, {}))
+            message = response.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                return float(looked_up)
+            for call in message.tool_calls:
+                value = TABLE[json.loads(call.function.arguments)["key"]]
+                looked_up += 1
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": value})
+            if edit_history and looked_up == 1:
+                messages[0] = {**messages[0], "content": messages[0]["content"] + " Quickly."}
+
+
+async def editing_agent(row, base_url):
+    """lookup_agent rewriting its history after the first lookup."""
+    return await lookup_agent(row, base_url, edit_history=True)
+
+
+async def failing_agent(row, base_url):
+    """An agent whose own code fails after one completion."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        await client.chat.completions.create(model="policy", messages=row["prompt"])
+    raise RuntimeError("the agent's tool broke")

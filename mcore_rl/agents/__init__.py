@@ -10,7 +10,8 @@ every session's memory limit.
 
 import importlib
 
-_HOMES = {"ChatFormat": "chat", "TemplateMismatch": "chat", "Environment": "environment",
+_HOMES = {"AgentRunner": "agent_runner", "ChatEndpoint": "openai_endpoint",
+          "ChatFormat": "chat", "TemplateMismatch": "chat", "Environment": "environment",
           "tool_schemas": "environment", "EpisodeRunner": "runner", "EpisodeSpec": "session",
           "environment_class": "session", "function_tools": "session", "ToolCall": "tool_calls",
           "ToolCallError": "tool_calls"}

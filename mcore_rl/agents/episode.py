@@ -39,7 +39,9 @@ class Episode:
     counts: dict = field(default_factory=lambda: {name: 0 for name in COUNTS})
     flags: dict = field(default_factory=lambda: {
         "tool_timeouts": 0, "observations_truncated": 0, "template_mismatches": 0,
-        "environment_failures": 0})
+        "environment_failures": 0, "history_rewrites": 0, "agent_failures": 0})
+    """Counts of what went wrong; history_rewrites and agent_failures: agents written against
+    the OpenAI API (agents.agent_runner)."""
 
     def start(self, messages: list[dict], prompt_ids: list[int]) -> None:
         self.messages = list(messages)

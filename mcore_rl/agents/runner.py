@@ -62,7 +62,8 @@ class EpisodeRunner:
         started = time.perf_counter()
         self._calls += 1
         episodes = {f"e{self._calls}/p{index}/s{sample}":
-                    Episode(f"e{self._calls}/p{index}/s{sample}", index, sample, _row(record))
+                    Episode(f"e{self._calls}/p{index}/s{sample}", index, sample,
+                            episode_row(record))
                     for index, record in enumerate(records) for sample in range(sampling.n)}
         for key, episode in episodes.items():
             self.sandbox.open(key, SESSION, self.spec)
@@ -95,7 +96,7 @@ class EpisodeRunner:
                 in_flight -= 1
                 key = finished.key.rpartition("/t")[0]
                 waiting[key] = self._on_turn(episodes[key], finished)
-        return _generation(list(episodes.values()), len(records), started)
+        return episodes_generation(list(episodes.values()), len(records), started)
 
     def close(self) -> None:
         self.sandbox.shutdown()
@@ -193,7 +194,7 @@ class EpisodeRunner:
                              f"not be made in its sandbox: {replies[0].error}")
 
 
-def _row(record) -> dict:
+def episode_row(record) -> dict:
     """What the environment's reset sees of a PromptRecord."""
     return {"prompt": record.prompt, "data_source": record.data_source,
             "ground_truth": record.ground_truth, "extra_info": dict(record.extra_info)}
@@ -207,7 +208,7 @@ def _messages(observation, default=None) -> list[dict]:
     return [dict(message) for message in observation]
 
 
-def _generation(episodes: list[Episode], prompts: int, started: float) -> Generation:
+def episodes_generation(episodes: list[Episode], prompts: int, started: float) -> Generation:
     """The episodes as completions: each prompt's shared opening (the tokens every one of its
     episodes began with) is its prompt; the rest of an opening counts as observation."""
     openings = [[] for _ in range(prompts)]

@@ -4,7 +4,8 @@ over several turns before the episode is scored.
 An episode is trained on the tokens the engine sampled, never on text decoded and encoded again;
 observations are tokenised as the chat template renders them (mcore_rl/agents/chat.py). Whatever
 the model writes reaches the environment and its tools only inside sandboxed processes, with the
-limits below.
+limits below. An agent written against the OpenAI API (`agent`) is the user's own code and runs
+in the rank's process: what it does with the model's text is its own business.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class ToolSandboxConfig:
 @dataclass(frozen=True)
 class MultiTurnConfig:
     """Episodes of several turns instead of one response per prompt (off unless
-    `environment` or `tools` is set)."""
+    `environment`, `tools` or `agent` is set)."""
 
     environment: str = ""
     """"module:Class", a subclass of mcore_rl.agents.Environment: one instance per episode,
@@ -58,6 +59,18 @@ class MultiTurnConfig:
     and docstrings become the JSON schema), plus "python" for the built-in interpreter.
     Added to the environment's own tools."""
 
+    agent: str = ""
+    """"module:async_function", an agent written against the OpenAI API instead of an
+    environment: `async def run(row, base_url) -> reward` drives each episode through a
+    chat endpoint on the rank's engine (base_url is an OpenAI base URL; row holds prompt,
+    data_source, ground_truth, extra_info; a None reward: the data source's reward function
+    scores the final answer). It runs in the rank's process with its own tools; the trained
+    tokens are still the sampled ones. Excludes `environment` and `tools`."""
+
+    agent_timeout_seconds: float = 600.0
+    """Wall-clock limit of one run of `agent`: past it the run is cancelled, its reward is 0
+    and it counts as an agent failure (a hung agent would stop every rank's rollout)."""
+
     tool_parser: str = "hermes"
     """How tool calls are read from the model's text: "hermes" (<tool_call>{"name": ...,
     "arguments": {...}}</tool_call>, Qwen's and Hermes' format, read as vLLM's hermes parser
@@ -66,14 +79,16 @@ class MultiTurnConfig:
 
     max_turns: int = 4
     """Model turns per episode; an episode still calling tools after its last turn is
-    truncated."""
+    truncated (an agent's requests past it are answered with no tokens, finish_reason
+    "length")."""
 
     max_episode_tokens: int = 1024
     """Prompt + every turn + every observation, in tokens; an episode that would exceed it ends
     (truncated, handled as rollout.overlong says)."""
 
     max_observation_tokens: int = 256
-    """Longest observation message content, in tokens; longer contents are cut (counted)."""
+    """Longest observation message content, in tokens; longer contents are cut (counted).
+    Not applied to an agent's messages (they are the agent's own)."""
 
     python_timeout_seconds: float = 10.0
     """Wall-clock limit of one run of the built-in python tool (shorter than
@@ -93,7 +108,7 @@ class MultiTurnConfig:
     @property
     def enabled(self) -> bool:
         """Whether rollouts are multi-turn episodes."""
-        return bool(self.environment or self.tools)
+        return bool(self.environment or self.tools or self.agent)
 
     def errors(self) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""
@@ -104,6 +119,15 @@ class MultiTurnConfig:
                           "'module:function'")
         if self.environment and ":" not in self.environment:
             errors.append(f"{prefix}environment={self.environment!r} must be 'module:Class'")
+        if self.agent and ":" not in self.agent:
+            errors.append(f"{prefix}agent={self.agent!r} must be 'module:async_function'")
+        if self.agent_timeout_seconds <= 0:
+            errors.append(f"{prefix}agent_timeout_seconds={self.agent_timeout_seconds} must be "
+                          "positive")
+        if self.agent and (self.environment or self.tools):
+            errors.append(f"{prefix}agent={self.agent!r} and {prefix}environment="
+                          f"{self.environment!r} / tools={self.tools} exclude each other: an "
+                          "agent runs its own tools, set either")
         errors += [f"{prefix}tools entry {tool!r} must be 'module:function' or 'python'"
                    for tool in self.tools if tool != "python" and ":" not in tool]
         if self.max_turns < 1:

@@ -16,6 +16,7 @@ Every keyword maps onto one field of the job config (documented there); anything
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Iterable, Optional
 
 from mcore_rl.config import InitConfig, JobConfig, ModelConfig, load_config
@@ -84,5 +85,18 @@ def with_environment(config: JobConfig, environment: type) -> JobConfig:
                          "module, not in __main__ or inside a function")
     reference = f"{environment.__module__}:{environment.__qualname__}"
     multi_turn = dataclasses.replace(config.rollout.multi_turn, environment=reference)
+    return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
+                                                                   multi_turn=multi_turn))
+
+
+def with_agent(config: JobConfig, agent) -> JobConfig:
+    """The config with `agent` (`async def run(row, base_url) -> reward`, a module-level
+    function: each rank resolves it by module and name) as the multi-turn agent."""
+    if not inspect.iscoroutinefunction(agent) or "<locals>" in agent.__qualname__ or \
+            agent.__name__ == "<lambda>":
+        raise ValueError(f"agent {getattr(agent, '__qualname__', agent)!r} must be a "
+                         "module-level async function run(row, base_url) -> reward")
+    multi_turn = dataclasses.replace(config.rollout.multi_turn,
+                                     agent=f"{agent.__module__}:{agent.__qualname__}")
     return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
                                                                    multi_turn=multi_turn))

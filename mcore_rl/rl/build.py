@@ -105,25 +105,35 @@ def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_score
     return reward
 
 
-def build_episode_runner(config: JobConfig, data: TrainingData) -> EpisodeRunner | None:
-    """Multi-turn rollouts' runner (None for single-turn jobs), after checking on every rank
-    that the environment, its tools and the chat template can be used (collective)."""
+def build_episode_runner(config: JobConfig, data: TrainingData
+                         ) -> EpisodeRunner | "AgentRunner" | None:
+    """Multi-turn rollouts' runner (None for single-turn jobs): the agent's (an OpenAI
+    endpoint per rank) or the environment's, after checking on every rank that the agent, or
+    the environment and its tools, and the chat template can be used (collective)."""
     multi_turn = config.rollout.multi_turn
     if not multi_turn.enabled:
         return None
     runner, problems = None, []
     try:
-        spec = EpisodeSpec(multi_turn.environment, tuple(multi_turn.tools),
-                           multi_turn.tool_parser, multi_turn.python_timeout_seconds,
-                           multi_turn.sandbox.memory_mb)
-        schemas = tool_schemas(environment_class(spec.environment),
-                               function_tools(spec.tools))
-        chat = ChatFormat(data.tokenizer, schemas, dict(multi_turn.template_kwargs))
-        runner = EpisodeRunner.build(multi_turn, chat, spec)
+        if multi_turn.agent:  # imported here: only agents need fastapi and uvicorn
+            from mcore_rl.agents.agent_runner import AgentRunner
+            runner = AgentRunner.build(multi_turn, data.tokenizer)
+        else:
+            runner = _environment_runner(multi_turn, data)
     except ValueError as error:
         problems.append(str(error))
     raise_on_any_rank(problems, ConfigError, "rollout.multi_turn: ")
     return runner
+
+
+def _environment_runner(multi_turn, data: TrainingData) -> EpisodeRunner:
+    """The EpisodeRunner of the configured environment and tools."""
+    spec = EpisodeSpec(multi_turn.environment, tuple(multi_turn.tools),
+                       multi_turn.tool_parser, multi_turn.python_timeout_seconds,
+                       multi_turn.sandbox.memory_mb)
+    schemas = tool_schemas(environment_class(spec.environment), function_tools(spec.tools))
+    chat = ChatFormat(data.tokenizer, schemas, dict(multi_turn.template_kwargs))
+    return EpisodeRunner.build(multi_turn, chat, spec)
 
 
 def ground_truth_checked(config: JobConfig, data: TrainingData, reward_fn) -> bool:

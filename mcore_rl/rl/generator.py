@@ -44,7 +44,8 @@ class PolicyGenerator:
 
     def run_episodes(self, runner, records: list, sampling: SamplingConfig,
                      timer: PhaseTimer | None = None) -> Generation:
-        """Multi-turn episodes for `records` (agents.EpisodeRunner) on the engine."""
+        """Multi-turn episodes for `records` (agents.EpisodeRunner or AgentRunner) on the
+        engine."""
         timer = timer or PhaseTimer()
         with self.awake(timer), timer("generate"):
             return runner.run(self.engine, records, sampling,

@@ -44,8 +44,8 @@ class RolloutScheduler:
         self.scorer = scorer
         self.dp_group = dp_group
         self.episodes = episodes
-        """Multi-turn rollouts: the runner of this rank's episodes (None: one response per
-        prompt)."""
+        """Multi-turn rollouts: the runner of this rank's episodes, an EpisodeRunner or an
+        AgentRunner (None: one response per prompt)."""
         self.pending: Rollout | None = None
         """With async_rollout: the batch generated ahead for the next step (this rank's)."""
 

@@ -55,7 +55,8 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
 
 EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "parse_failures",
                   "environment_failures", "template_mismatches", "observations_truncated",
-                  "model_tokens", "observation_tokens", "truncated", "tool_seconds")
+                  "model_tokens", "observation_tokens", "truncated", "tool_seconds",
+                  "history_rewrites", "agent_failures")
 """Per-episode counts logged as episode/<name> means (agents.episode.Episode.summary)."""
 
 

@@ -46,7 +46,7 @@ from mcore_rl.training import checkpointer
 from mcore_rl.training.balance import balance_over_data_parallel
 from mcore_rl.training.offload import HostParking
 
-from .api import with_environment
+from .api import with_agent, with_environment
 from .build import (build_engine_and_roles, build_episode_runner, build_roles,
                     build_rule_reward, settled_config)
 from .data import load_training_data
@@ -88,16 +88,21 @@ class Trainer:
     """PPO/GRPO-family training of a Megatron actor (and critic) with a rollout engine."""
 
     def __init__(self, config: JobConfig, actor_model: str | None = None,
-                 critic_model: str | None = None, reward_fn=None, environment=None):
+                 critic_model: str | None = None, reward_fn=None, environment=None,
+                 agent=None):
         """Every rank constructs the same Trainer. actor_model / critic_model: HF folders or
         mcore_rl checkpoints overriding init / critic.init_path (the critic must share the
         actor's architecture). reward_fn: a module-level function fn(data_source, solution_str,
         ground_truth, extra_info) -> float | dict used for every sample instead of the reward
         registry. environment: an mcore_rl.agents.Environment subclass for multi-turn
-        rollouts (instead of rollout.multi_turn.environment)."""
+        rollouts (instead of rollout.multi_turn.environment). agent: a module-level
+        `async def run(row, base_url) -> reward` driving each episode through an OpenAI
+        endpoint on the rank's engine (instead of rollout.multi_turn.agent)."""
         launch = read_launch_env()
         if environment is not None:
             config = with_environment(config, environment)
+        if agent is not None:
+            config = with_agent(config, agent)
         config = self.config = settled_config(config, launch, actor_model, critic_model)
         if config.placement.side_of(launch.rank, launch.world_size) == "rollout":
             raise ValueError(f"rank {launch.rank} is a rollout rank of split placement "
