@@ -25,6 +25,7 @@ LAYERS = (
     ("training",),
     ("resharding",),
     ("rollout",),
+    ("agents",),
     ("roles",),
     ("rl", "sft", "preference", "smoke", "serve"),
     ("cli", "quickstart", "launch_check"),

@@ -193,9 +193,7 @@ class RolloutConfig:
                        self.engine != "vllm",
                        "rollout.overlong=penalty (an episode's length is not one response's)":
                        self.overlong == "penalty",
-                       "rollout.routing_replay=r3": self.routing_replay == "r3",
-                       "rollout.rollout_tp > 1 (every rank of an engine would have to run "
-                       "the same episodes)": self.rollout_tp > 1}
+                       "rollout.routing_replay=r3": self.routing_replay == "r3"}
         return [f"rollout.multi_turn does not work with {what} yet"
                 for what, applies in unsupported.items() if applies]
 

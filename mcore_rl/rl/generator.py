@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
+from mcore_rl.agents.instance import run_on_instance
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.observability.step_metrics import PhaseTimer, SumsAndCounts
 from mcore_rl.rollout import Generation, RolloutEngine
@@ -48,8 +49,8 @@ class PolicyGenerator:
         engine."""
         timer = timer or PhaseTimer()
         with self.awake(timer), timer("generate"):
-            return runner.run(self.engine, records, sampling,
-                              self.prompt_config.max_prompt_tokens)
+            return run_on_instance(runner, self.engine, records, sampling,
+                                   self.prompt_config.max_prompt_tokens)
 
     def policy_updated(self) -> None:
         """The actor's weights changed: the next generation syncs first."""

@@ -212,6 +212,13 @@ class RolloutEngine(abc.ABC):
     supports_streaming: bool = False
     """Whether the streaming interface below (add_requests, step, abort) is implemented."""
 
+    instance_group = None
+    """The process group of the ranks that hold one engine instance together (rollout TP),
+    which must add the same requests at the same steps; None when a rank holds its own."""
+
+    shard_key: int = 0
+    """This rank's data shard: ranks of an instance with equal keys bring equal prompts."""
+
     def add_requests(self, requests: Sequence[SampleRequest]) -> None:
         """Queue responses to generate (every rank of an engine instance adds the same ones)."""
         raise NotImplementedError(f"{type(self).__name__} has no streaming interface")

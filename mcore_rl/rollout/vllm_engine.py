@@ -115,8 +115,8 @@ class VllmEngine(RolloutEngine):
         problems = _start_problems(model_dir, model, rollout_tp, world, dtype,
                                    gpu_memory_utilization)
         raise_on_any_rank(problems, EngineError, "vLLM engine not started: ")
-        self._group = _consecutive_group(rollout_tp, timeout_minutes)
-        self._shard_key = default_shard_key()
+        self.instance_group = _consecutive_group(rollout_tp, timeout_minutes)
+        self.shard_key = default_shard_key()
         if not torch.cuda.is_available():
             cpu_compat.name_vllm_cpu_segments_per_job(_job_name())
         self.llm, problems = _start_llm(
@@ -145,7 +145,7 @@ class VllmEngine(RolloutEngine):
         missing_tokenizer = (["sampling.stop (stop strings) needs the engine's tokenizer_dir"]
                              if sampling.stop and not self.has_tokenizer else [])
         requests = pool_requests(prompts, sampling, prompt_config, self.context_length,
-                                 self.model.vocab_size, self._shard_key, self._group,
+                                 self.model.vocab_size, self.shard_key, self.instance_group,
                                  missing_tokenizer)
         # An explicit request seed samples the same every call (a resumed run repeats an
         # uninterrupted one); without one, each call draws afresh.
