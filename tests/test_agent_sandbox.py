@@ -1,4 +1,4 @@
-"""The tool sandbox (mcore_rl/agents/sandbox.py) and the python tool, with real processes: what a
+"""The tool sandbox (mcore_rl/agents/sandbox/) and the python tool, with real processes: what a
 session may do, what the kernel refuses it, and that no process outlives the sandbox or its
 parent. Handlers: tests/agent_sandbox_handlers.py. Every loop is bounded, every socket on
 loopback."""

@@ -1,6 +1,6 @@
 """The built-in `python` tool: run model-written code, give back what it printed.
 
-It is called inside a sandbox session (sandbox.py: no network, writes only in the session's
+It is called inside a sandbox session (sandbox/: no network, writes only in the session's
 directory, bounded processes and memory) and runs each piece of code in a process forked for
 that call, so that a hang, a memory blow-up or a crash costs that call only, and nothing the code
 does (globals, imports, monkey-patches, open files) reaches the next call or the session's

@@ -1,0 +1,42 @@
+"""Sandboxed sessions for agent environments and tools: one confined process per session.
+
+In multi-turn agentic RL the model's output becomes input to code - tool arguments, Python it
+wrote - and a user's environment runs next to it. That code may hang, allocate or fork without
+bound, write wherever the trainer may, or open connections; none of it may stop training or
+reach the machine. So it runs in processes the kernel confines. Python-level guards (audit hooks)
+are no boundary - ctypes walks around them - and none is used.
+
+One process per session: an environment is a user object holding an episode's state, so a
+session's requests run where that object lives, one at a time, and a hang or a crash costs only
+its own session (killed; the others go on). A rank keeps many sessions open (one per episode, e.g.
+128), mostly idle. The rank has threads (torch, NCCL, vLLM), so it must not fork, and a fresh
+interpreter per session costs ~100 times a fork. So the rank starts one "zygote" process once,
+which confines itself and then forks each session (~1-2 ms). The zygote is started with
+subprocess, not multiprocessing's spawn: spawn re-imports the trainer's `__main__` (torch
+included) into the child, and so into every session's address space, which RLIMIT_AS counts.
+
+What holds where a mechanism is missing: `Sandbox.mechanisms()`.
+
+One concern a file, imported one way only (client -> zygote -> session -> kernel, channel,
+limits):
+- limits.py: SandboxLimits, what one session may use;
+- kernel.py: prctl, capabilities, user namespaces and Landlock through ctypes;
+- channel.py: the rank's non-blocking end of a session's socket, plain-data unpickling;
+- session.py: a forked session's confinement and request loop;
+- zygote.py: the zygote's confinement, fork loop and reaping;
+- client.py: the rank's side, Sandbox and its Replies.
+
+Nothing here imports torch or mcore_rl.runtime at module level: the zygote imports this package
+(ZYGOTE_BOOT imports `zygote_main` from here), and every session's address space holds what the
+zygote imported.
+
+Reused by the python tool (python_tool.py): `set_parent_death_signal`, `describe_status`.
+"""
+
+from .client import Reply, Sandbox
+from .kernel import describe_status, set_parent_death_signal
+from .limits import SandboxLimits
+from .zygote import zygote_main
+
+__all__ = ["Reply", "Sandbox", "SandboxLimits", "describe_status", "set_parent_death_signal",
+           "zygote_main"]

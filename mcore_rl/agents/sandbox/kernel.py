@@ -1,0 +1,128 @@
+"""The kernel calls that confine the sandbox's processes (Linux, through libc; syscall numbers
+are the same on x86_64 and aarch64): prctl, capabilities, user namespaces, Landlock.
+
+A module of their own: the zygote and the sessions confine themselves with these calls, and the
+python tool (python_tool.py) reuses two of them (`set_parent_death_signal`, `describe_status`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+NOBODY = 65534
+
+SYS_LANDLOCK_CREATE_RULESET = 444
+SYS_LANDLOCK_ADD_RULE = 445
+SYS_LANDLOCK_RESTRICT_SELF = 446
+LANDLOCK_CREATE_RULESET_VERSION = 1
+LANDLOCK_RULE_PATH_BENEATH = 1
+LANDLOCK_WRITE_RIGHTS_ABI1 = sum(1 << bit for bit in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))
+"""WRITE_FILE, REMOVE_DIR, REMOVE_FILE and MAKE_CHAR/DIR/REG/SOCK/FIFO/BLOCK/SYM."""
+LANDLOCK_ACCESS_FS_REFER = 1 << 13  # ABI 2: links and renames across directories
+LANDLOCK_ACCESS_FS_TRUNCATE = 1 << 14  # ABI 3
+LANDLOCK_ACCESS_NET_TCP = (1 << 0) | (1 << 1)  # ABI 4: BIND_TCP, CONNECT_TCP
+LANDLOCK_SCOPES = (1 << 0) | (1 << 1)  # ABI 6: ABSTRACT_UNIX_SOCKET, SIGNAL
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class _CapabilityHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapabilityData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def _check(result: int, call: str) -> None:
+    if result < 0:
+        number = ctypes.get_errno()
+        raise OSError(number, f"{call}: {os.strerror(number)}")
+
+
+def set_parent_death_signal(number: int = signal.SIGKILL) -> None:
+    """Get signal `number` when the parent dies; exit now if it already has (the parent may have
+    died before the call)."""
+    parent = os.getppid()
+    _check(_libc.prctl(PR_SET_PDEATHSIG, number, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)
+
+
+def enter_user_namespace(flags: int = 0) -> None:
+    """unshare(CLONE_NEWUSER | flags), keeping the same uid and gid inside (a single-threaded
+    process only)."""
+    uid, gid = os.getuid(), os.getgid()
+    _check(_libc.unshare(CLONE_NEWUSER | flags), "unshare(CLONE_NEWUSER)")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                       ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as handle:
+            handle.write(text)
+
+
+def drop_capabilities() -> None:
+    """Give up every capability (those a new user namespace grants inside it)."""
+    header = _CapabilityHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    _check(_libc.capset(ctypes.byref(header), (_CapabilityData * 2)()), "capset")
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0: no Landlock)."""
+    version = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                            ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    return max(version, 0)
+
+
+def restrict_writes_to(directory: str, abi: int, deny_tcp: bool) -> None:
+    """Add a Landlock layer: file-system writes only beneath `directory`, TCP bind/connect
+    denied (ABI >= 4, when `deny_tcp`), signals and abstract Unix sockets only within the layer
+    (ABI >= 6). Layers stack; none is ever lifted."""
+    write_rights = LANDLOCK_WRITE_RIGHTS_ABI1
+    write_rights |= LANDLOCK_ACCESS_FS_REFER if abi >= 2 else 0
+    write_rights |= LANDLOCK_ACCESS_FS_TRUNCATE if abi >= 3 else 0
+    attr = _RulesetAttr(write_rights, LANDLOCK_ACCESS_NET_TCP if deny_tcp and abi >= 4 else 0,
+                        LANDLOCK_SCOPES if abi >= 6 else 0)
+    size = 24 if abi >= 6 else 16 if abi >= 4 else 8  # the fields this ABI knows
+    ruleset = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr),
+                            ctypes.c_size_t(size), ctypes.c_uint32(0))
+    _check(ruleset, "landlock_create_ruleset")
+    directory_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY)
+    try:
+        rule = _PathBeneath(write_rights, directory_fd)
+        _check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH,
+                             ctypes.byref(rule), 0), "landlock_add_rule")
+        _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+    finally:
+        os.close(directory_fd)
+        os.close(ruleset)
+
+
+def describe_status(status: int) -> str:
+    """A wait status in words: "exit code 1", "killed by SIGXCPU (CPU time limit)"."""
+    code = os.waitstatus_to_exitcode(status)
+    if code >= 0:
+        return f"exit code {code}"
+    name = signal.Signals(-code).name
+    reason = {signal.SIGXCPU: " (CPU time limit)", signal.SIGXFSZ: " (file size limit)"}
+    return f"killed by {name}{reason.get(-code, '')}"

@@ -1,0 +1,44 @@
+"""What one session may use: SandboxLimits.
+
+A module of its own because every process of the sandbox reads it: the rank sets it, and the
+zygote and each session get it in the zygote's pickled setup, which names this class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one session may use."""
+
+    timeout_seconds: float = 30.0
+    """Wall clock per call (open or request); past it the session process is killed."""
+
+    memory_mb: int = 1024
+    """RLIMIT_AS of a session process (its address space, the forked interpreter included)."""
+
+    cpu_seconds: float = 30.0
+    """CPU seconds per call: RLIMIT_CPU's soft limit is set before each call to the CPU time used
+    so far plus this (SIGXCPU ends the session). A soft limit the handler's code could raise
+    again; the wall clock bounds every call regardless."""
+
+    max_processes: int = 16
+    """Processes a session may have running besides itself (RLIMIT_NPROC)."""
+
+    max_file_mb: int = 64
+    """Largest file a session may write (RLIMIT_FSIZE)."""
+
+    network: bool = False
+    """False: no network (a network namespace of its own; Landlock's TCP rules where user
+    namespaces are blocked)."""
+
+    def __post_init__(self):
+        for name in ("timeout_seconds", "memory_mb", "cpu_seconds", "max_file_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxLimits.{name} must be positive, not "
+                                 f"{getattr(self, name)}")
+        if self.max_processes < 0:
+            raise ValueError("SandboxLimits.max_processes must be 0 or more, not "
+                             f"{self.max_processes}")

@@ -1,0 +1,339 @@
+"""The zygote: the process the rank starts once (with subprocess, ZYGOTE_BOOT), which confines
+itself, then forks each session, kills sessions on request, reaps them and reports their exit
+statuses.
+
+The zygote, once, in this order (unshare(CLONE_NEWUSER) needs a single-threaded process, so the
+zygote never starts a thread; it checks for its parent's death in its loop instead):
+1. its private directory becomes its cwd, HOME and TMPDIR: made by the rank in the system's
+   temporary directory (the rank's own TMPDIR is root's alone), removed by the zygote when it
+   ends, or by the next job (it is named like a rank's private folder) when the zygote was
+   killed too;
+2. as root, it becomes `nobody`: root ignores RLIMIT_NPROC, and root's file permissions are the
+   machine's. Directories on sys.path that nobody may not enter (a Python under /root) stay
+   importable through descriptors opened before (`/proc/self/fd/N`);
+3. unshare(CLONE_NEWUSER | CLONE_NEWNET): no network interface but a loopback that is down, so no
+   TCP, UDP or abstract Unix socket reaches the host. Where user namespaces are blocked (Docker's
+   default seccomp profile, Ubuntu's apparmor_restrict_unprivileged_userns) Landlock's TCP rules
+   are the fallback (TCP only);
+4. it becomes undumpable (no session may ptrace it), a child subreaper that kills every orphan
+   reparented to it (a dead session's children), and sets PR_SET_PDEATHSIG(SIGTERM) after the
+   setuid (which clears it): when the rank dies it kills its sessions, removes the directory and
+   exits (it also checks every ORPHAN_CHECK_SECONDS whether the rank is still its parent).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import recv_handle
+
+from ...rewards.types import describe_exception
+from .kernel import (CLONE_NEWNET, NOBODY, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, _check,
+                     _libc, drop_capabilities, enter_user_namespace, landlock_abi,
+                     set_parent_death_signal)
+from .limits import SandboxLimits
+from .session import _Confinement, _run_session
+
+
+ORPHAN_CHECK_SECONDS = 1.0
+"""How often the zygote checks that the rank lives and kills orphans reparented to it."""
+
+ZYGOTE_BOOT = ("import pickle, sys; sys.path[:] = pickle.loads(bytes.fromhex(sys.argv[1])); "
+               "from mcore_rl.agents.sandbox import zygote_main; "
+               "zygote_main(pickle.loads(bytes.fromhex(sys.argv[2])))")
+"""The zygote's command line: the rank's import path first (the setup's pickle names SandboxLimits,
+of this package), then the setup."""
+
+
+class _RankGone(Exception):
+    """The zygote's parent, the rank, died."""
+
+
+def zygote_main(setup: dict) -> None:
+    """The zygote process: confine itself, report, fork sessions until told to stop or the
+    rank dies, then end them all and remove the private directory."""
+    control = Connection(setup["control_fd"])
+    directory = setup["directory"]
+    parent = os.getppid()
+
+    def on_parent_death(*_):
+        if os.getppid() != parent:  # not a SIGTERM sent to every process of a job
+            raise _RankGone
+
+    signal.signal(signal.SIGTERM, on_parent_death)
+    zygote = None
+    try:
+        confinement = _confine_zygote(directory, setup["limits"])
+        for module in setup["preload"]:  # confined already: their import-time code too
+            importlib.import_module(module)
+        _check_room_for_sessions(setup["limits"].memory_mb)
+        control.send(("ready", confinement.mechanisms))
+        zygote = _Zygote(control, parent, directory, setup["limits"], confinement)
+        zygote.serve()
+    except _RankGone:
+        pass
+    except Exception as error:
+        control.send(("failed", describe_exception(error, limit=2000)))
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if zygote is not None:
+            zygote.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+        os._exit(0)
+
+
+def _confine_zygote(directory: str, limits: SandboxLimits) -> _Confinement:
+    """Steps 1-4 of the module docstring (Landlock is each session's: a layer here would forbid
+    the sessions' writing their uid_map). Raises when the directory is out of the new user's
+    reach, or network is off and nothing can deny it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the rank, which stops us
+    os.chdir(directory)
+    os.environ.update(HOME=directory, TMPDIR=directory)
+    tempfile.tempdir = directory
+    _check_room_for_sessions(limits.memory_mb)
+    path_descriptors = {entry: os.open(entry, os.O_PATH | os.O_DIRECTORY)
+                        for entry in sys.path if entry and os.path.isdir(entry)}
+    user = _become_nobody(directory) if os.getuid() == 0 else _user_name(os.getuid())
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise RuntimeError(f"the sandbox directory {directory} is out of reach for {user}: a "
+                           "folder above it is not searchable by others; point TMPDIR at one "
+                           "that is (e.g. /tmp)")
+    _keep_importable(path_descriptors)
+    network, own_user_namespaces = _isolate_network(limits.network)
+    abi = landlock_abi()
+    deny_tcp = not limits.network and abi >= 4
+    if network == "none" and not limits.network:
+        if not deny_tcp:
+            raise RuntimeError(
+                "the tool sandbox cannot deny network access: user namespaces are unavailable "
+                "(unshare(CLONE_NEWUSER | CLONE_NEWNET) failed) and Landlock's TCP rules need "
+                f"Landlock ABI 4 (this kernel: {abi or 'no Landlock'}); allow network "
+                "(SandboxLimits.network=True) or run where one of them works")
+        network = "landlock"
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    # no session (same uid) may ptrace the zygote, whose channel reaches the rank
+    _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+    set_parent_death_signal(signal.SIGTERM)  # on_parent_death: end the sessions, clean up
+    processes = ("none" if user == "root" else
+                 "rlimit-nproc" if own_user_namespaces else "rlimit-nproc-shared")
+    mechanisms = {"network": network, "filesystem": "landlock" if abi else "permissions",
+                  "processes": processes, "user": user,
+                  "signals": "landlock-scope" if abi >= 6 else "uid"}
+    return _Confinement(mechanisms, own_user_namespaces, abi, deny_tcp)
+
+
+HEAVY_MODULES = ("torch", "numpy", "vllm", "transformers")
+"""Imports that make the zygote (and every session) large, named when it is too large."""
+
+
+def _check_room_for_sessions(memory_mb: int) -> None:
+    """Sessions inherit the zygote's address space, which their RLIMIT_AS counts: refuse to
+    start when it leaves them no room (a heavy import on the way to this module)."""
+    with open("/proc/self/status") as handle:
+        size_kb = next(int(line.split()[1]) for line in handle if line.startswith("VmSize:"))
+    if size_kb >> 10 >= memory_mb // 2:
+        heavy = [name for name in HEAVY_MODULES if name in sys.modules] or ["none of them"]
+        raise RuntimeError(
+            f"the zygote already spans {size_kb >> 10} MB of address space, leaving sessions "
+            f"too little of their memory_mb={memory_mb} (of {', '.join(HEAVY_MODULES)} it "
+            f"imported: {', '.join(heavy)}); keep mcore_rl/agents/__init__.py light or raise "
+            "memory_mb")
+
+
+def _become_nobody(directory: str) -> str:
+    """As root: become nobody (owner of `directory`); "root" where the uid cannot change."""
+    try:
+        os.chown(directory, NOBODY, NOBODY)
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+    except OSError:
+        return "root"
+    # setuid made the process undumpable, which hands /proc/self/*_map to root
+    _check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+    return "nobody"
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _keep_importable(path_descriptors: dict[str, int]) -> None:
+    """Replace the import paths this user may no longer enter - sys.path entries and the
+    __path__ of packages imported already (their submodules load from there: encodings.idna) -
+    by /proc/self/fd/N of a descriptor opened before: the kernel follows that link without
+    checking the path above it."""
+    replacements = {entry: f"/proc/self/fd/{descriptor}"
+                    for entry, descriptor in path_descriptors.items()
+                    if not os.access(entry, os.R_OK | os.X_OK)}
+    if not replacements:
+        return
+    sys.path[:] = [replacements.get(entry, entry) for entry in sys.path]
+    for module in list(sys.modules.values()):
+        package_path = getattr(module, "__path__", None)
+        if isinstance(package_path, list):
+            package_path[:] = [_reachable(entry, replacements) for entry in package_path]
+    sys.path_importer_cache.clear()
+
+
+def _reachable(path: str, replacements: dict[str, str]) -> str:
+    """`path` below a replaced entry, through that entry's replacement."""
+    for entry, replacement in replacements.items():
+        if path == entry or path.startswith(entry + os.sep):
+            return replacement + path[len(entry):]
+    return path
+
+
+def _isolate_network(allow: bool) -> tuple[str, bool]:
+    """A user and network namespace of the zygote's own (the network one only when `allow` is
+    off). Returns (network mechanism, whether sessions can enter user namespaces)."""
+    try:
+        enter_user_namespace(0 if allow else CLONE_NEWNET)
+    except OSError:
+        return ("allowed" if allow else "none"), False
+    drop_capabilities()
+    return ("allowed" if allow else "netns"), True
+
+
+class _Zygote:
+    """The zygote's loop: fork sessions, kill them on request, reap them and report."""
+
+    def __init__(self, control: Connection, parent: int, directory: str, limits: SandboxLimits,
+                 confinement: _Confinement):
+        self.control, self.parent, self.directory = control, parent, directory
+        self.limits, self.confinement = limits, confinement
+        self.sessions: dict[int, tuple[int, int]] = {}
+        """Live sessions: serial -> (pid, pidfd)."""
+
+    def serve(self) -> None:
+        """Until the rank says stop or is gone."""
+        while os.getppid() == self.parent:
+            pidfds = [pidfd for _, pidfd in self.sessions.values()]
+            ready = wait([self.control, *pidfds], timeout=ORPHAN_CHECK_SECONDS)
+            self._reap()
+            if self.control in ready and not self._obey():
+                return
+
+    def _obey(self) -> bool:
+        """Carry out one message from the rank; False: stop."""
+        try:
+            message = self.control.recv()
+        except (EOFError, OSError):
+            return False
+        if message[0] == "open":
+            self._fork(message[1], recv_handle(self.control))
+        elif message[0] == "kill":
+            self._kill(message[1])
+        return message[0] != "stop"
+
+    def _fork(self, serial: int, channel_fd: int) -> None:
+        directory = os.path.join(self.directory, f"session-{serial}")
+        try:
+            os.mkdir(directory)
+        except OSError:  # the rank sees the channel close: "session process died"
+            os.close(channel_fd)
+            return
+        process_limit = self._process_limit()
+        try:
+            pid = os.fork()
+        except OSError:  # out of processes: the rank sees the channel close
+            os.close(channel_fd)
+            return
+        if pid == 0:
+            try:  # nothing may return into the zygote's loop in this process
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                self._close_inherited()
+                _run_session(Connection(channel_fd), directory, self.limits, self.confinement,
+                             process_limit)
+            finally:
+                os._exit(1)
+        os.close(channel_fd)
+        self.sessions[serial] = (pid, os.pidfd_open(pid))
+
+    def _process_limit(self) -> int:
+        """RLIMIT_NPROC for a new session. In a user namespace of its own only its processes
+        count; otherwise every process of this uid does (an approximation: sessions opened
+        earlier get less room as later ones start)."""
+        own = self.limits.max_processes + 1
+        return own if self.confinement.own_user_namespaces else own + _processes_of(os.getuid())
+
+    def _close_inherited(self) -> None:
+        """In a new session: let go of the zygote's channels to the rank and other sessions."""
+        self.control.close()
+        for _, pidfd in self.sessions.values():
+            os.close(pidfd)
+
+    def _kill(self, serial: int) -> None:
+        if serial in self.sessions:
+            _kill_group(self.sessions[serial][0])
+
+    def _reap(self) -> None:
+        """Report and clean up sessions that ended; kill orphans reparented to us."""
+        for serial, (pid, pidfd) in list(self.sessions.items()):
+            finished, status = os.waitpid(pid, os.WNOHANG)
+            if not finished:
+                continue
+            _kill_group(pid)  # what the session left running
+            os.close(pidfd)
+            del self.sessions[serial]
+            shutil.rmtree(os.path.join(self.directory, f"session-{serial}"), ignore_errors=True)
+            self.control.send(("exited", serial, status))
+        session_pids = {pid for pid, _ in self.sessions.values()}
+        for orphan in _children() - session_pids:
+            _kill_and_reap(orphan)
+
+    def stop(self) -> None:
+        """Kill every session, their groups and everything else below us."""
+        for pid, _ in self.sessions.values():
+            _kill_group(pid)
+        for child in _children():
+            _kill_and_reap(child)
+
+
+def _kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_process(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_and_reap(child: int) -> None:
+    _kill_process(child)
+    try:
+        os.waitpid(child, 0)
+    except ChildProcessError:
+        pass
+
+
+def _children() -> set[int]:
+    """This process's live children (orphans reparented to a subreaper included)."""
+    with open(f"/proc/self/task/{os.getpid()}/children") as handle:
+        return {int(pid) for pid in handle.read().split()}
+
+
+def _processes_of(uid: int) -> int:
+    """How many processes belong to `uid` now."""
+    count = 0
+    for name in os.listdir("/proc"):
+        try:
+            count += name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid
+        except OSError:
+            pass
+    return count
