@@ -15,6 +15,29 @@ CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart",
                       "agents_grpo.yaml")
 
 
+def countdown_job(folder) -> list[str]:
+    """Overrides of a tiny random model on the agents example's tokenizer and questions, whose
+    episodes have up to three turns (agent_environments:Countdown answers whatever the model
+    writes); writes the tokenizer and data into `folder`."""
+    from mcore_rl.quickstart.agents_example import VOCABULARY, questions, write_tokenizer
+    from mcore_rl.quickstart.task import write_jsonl
+
+    tokenizer = write_tokenizer(str(folder / "tokenizer"))
+    data = write_jsonl(str(folder / "questions.jsonl"), questions(64, seed=1))
+    return [
+        "init.checkpoint=null", f"data.tokenizer={tokenizer}", f"data.train_files=[{data}]",
+        f"data.val_files=[{data}]", "data.toy.size=0", "data.toy.val_size=0",
+        "data.max_prompt_tokens=8",
+        "rollout.multi_turn.environment=agent_environments:Countdown",
+        "rollout.prompts_per_step=4", "rollout.sampling.n=4", "actor.micro_batch_size=8",
+        # a random model ends its turn (samples <eos>) within 12 tokens about a third of the time
+        "rollout.sampling.max_new_tokens=12", "rollout.multi_turn.max_episode_tokens=60",
+        "rollout.eval_sampling.max_new_tokens=12",
+        "model.num_layers=2", "model.hidden_size=128", "model.ffn_hidden_size=256",
+        "model.num_attention_heads=2", "model.num_kv_heads=2",
+        f"model.vocab_size={len(VOCABULARY)}", "model.max_position_embeddings=64"]
+
+
 def collect_and_update(out_path: str, overrides: list[str]) -> None:
     trainer = Trainer(load_config(CONFIG, overrides))
     engine = trainer.scheduler.generator.engine

@@ -209,25 +209,21 @@ def test_a_non_canonical_sampling_is_trained_as_sampled(smollm2):
 
 def test_templates_that_rewrite_earlier_turns_are_refused_or_ended():
     """Qwen3 without thinking feeds the model an empty think block that later renders drop:
-    not prefix-preserving, found at the first observation."""
+    not prefix-preserving. Refused at start-up (template_mismatch=error, from a probe
+    conversation), or run with each episode ended at its first observation (end)."""
     qwen3 = stand_in_qwen("qwen3.jinja")
     kwargs = {"enable_thinking": False}
-    for mismatch in ("error", "end"):
-        config = MultiTurnConfig(environment=ENVIRONMENT, template_mismatch=mismatch,
-                                 template_kwargs=kwargs)
-        runner = runner_for(qwen3, config)
-        try:
-            engine = ScriptedEngine(sampled_turns(qwen3, runner.chat))
-            if mismatch == "error":
-                with pytest.raises(TemplateMismatch, match="turn 1: .*think"):
-                    runner.run(engine, [record()], SamplingConfig(seed=0), 512)
-            else:
-                episode = runner.run(engine, [record()], SamplingConfig(seed=0),
-                                     512).completions[0].episode
-                assert episode["template_mismatches"] == 1 and episode["turns"] == 1
-                assert episode["truncated"] == 1
-        finally:
-            runner.close()
+    with pytest.raises(TemplateMismatch, match="not prefix-preserving .*enable_thinking.*think"):
+        runner_for(qwen3, MultiTurnConfig(environment=ENVIRONMENT, template_kwargs=kwargs))
+    runner = runner_for(qwen3, MultiTurnConfig(environment=ENVIRONMENT, template_mismatch="end",
+                                               template_kwargs=kwargs))
+    try:
+        engine = ScriptedEngine(sampled_turns(qwen3, runner.chat))
+        episode = runner.run(engine, [record()], SamplingConfig(seed=0), 512).completions[0]
+    finally:
+        runner.close()
+    assert episode.episode["template_mismatches"] == 1 and episode.episode["turns"] == 1
+    assert episode.finish_reason == "length"
 
 
 def run_script(tokenizer, script: list[str], config: MultiTurnConfig, samples: int = 1):

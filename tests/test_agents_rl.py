@@ -26,23 +26,10 @@ the episodes of both ranks' prompts."""
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_episodes_train_the_sampled_tokens(tmp_path, layout):
-    from agents_rl_worker import collect_and_update
-    from mcore_rl.quickstart.agents_example import VOCABULARY, questions, write_tokenizer
-    from mcore_rl.quickstart.task import write_jsonl
+    from agents_rl_worker import collect_and_update, countdown_job
 
-    tokenizer = write_tokenizer(str(tmp_path / "tokenizer"))
-    data = write_jsonl(str(tmp_path / "questions.jsonl"), questions(64, seed=1))
-    overrides = [
-        "init.checkpoint=null", f"data.tokenizer={tokenizer}", f"data.train_files=[{data}]",
-        f"data.val_files=[{data}]", f"runtime.output_dir={tmp_path / 'run'}",
-        "rollout.multi_turn.environment=agent_environments:Countdown",
-        "rollout.multi_turn.tool_parser=hermes", "rollout.prompts_per_step=4",
-        "rollout.sampling.n=4", "actor.micro_batch_size=8", "trainer.balance_data_parallel=false",
-        # a random model ends its turn (samples <eos>) within 12 tokens about a third of the time
-        "rollout.sampling.max_new_tokens=12", "rollout.multi_turn.max_episode_tokens=60",
-        "model.num_layers=2", "model.hidden_size=128", "model.ffn_hidden_size=256",
-        "model.num_attention_heads=2", "model.num_kv_heads=2",
-        f"model.vocab_size={len(VOCABULARY)}", "model.max_position_embeddings=64",
+    overrides = countdown_job(tmp_path) + [
+        f"runtime.output_dir={tmp_path / 'run'}", "trainer.balance_data_parallel=false",
         *LAYOUTS[layout]]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run_world(2, collect_and_update, str(tmp_path / "result.pt"), overrides)

@@ -2,7 +2,7 @@
 others only train, both at once, weights going over the bridge after every update.
 
 - k = 0 is synchronous and on-policy: its steps equal a colocated run's, number for number
-  (same prompts, same seeds, the same weights in vLLM).
+  (same prompts, same seeds, the same weights in vLLM), also with multi-turn episodes.
 - k = 1 learns the toy task, and every response it trains on was started at most one version
   before the step (read from the versions recorded per response), some exactly one.
 - Responses in flight at a weight update continue (each stretch's version recorded, in order)
@@ -77,6 +77,22 @@ def test_synchronous_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
     assert evaluations(tmp_path / "split" / "run") == evaluations(tmp_path / "colocated" / "run")
     assert split[0]["history"][-1]["reshard/bytes_received_max"] == \
         split[0]["history"][-1]["reshard/lower_bound_bytes"] > 0
+
+
+def test_multi_turn_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
+    """Multi-turn episodes (up to three turns each) run whole on the rollout rank, with the same
+    seeds: the same steps and evaluations as colocated."""
+    from agents_rl_worker import countdown_job
+
+    common = countdown_job(tmp_path) + ["actor.micro_batch_size=16", "trainer.total_steps=2",
+                                        "trainer.eval_every=2"]
+    colocated = run_job(tmp_path / "colocated", tokenizer_dir, 1, common)
+    split = run_job(tmp_path / "split", tokenizer_dir, 2, common + ["placement.rollout_ranks=1"])
+    assert split[1]["exit_code"] == 0
+    for expected, found in zip(colocated[0]["history"], split[0]["history"], strict=True):
+        assert comparable(found) == comparable(expected)
+        assert found["episode/turns"] > 1
+    assert evaluations(tmp_path / "split" / "run") == evaluations(tmp_path / "colocated" / "run")
 
 
 def test_one_step_stale_split_run_learns_within_the_bound(tmp_path, tokenizer_dir):

@@ -55,7 +55,7 @@ class AgentRunner:
         self.agent = agent
         """The user's `async def run(row, base_url) -> reward`."""
         self.events: queue.Queue = queue.Queue()
-        """Turns to sample, finished runs (AgentResult), a TemplateMismatch that stops the job."""
+        """Turns to sample and finished runs (AgentResult)."""
         self.endpoint = ChatEndpoint(tokenizer, config, self.events.put)
         self.end_of_turn_id = self.endpoint.chat(None).end_of_turn_id
         self._loop = asyncio.new_event_loop()
@@ -66,12 +66,15 @@ class AgentRunner:
 
     @classmethod
     def build(cls, config: MultiTurnConfig, tokenizer) -> "AgentRunner":
-        """A runner for `config.agent`, after checking that it names an async function and
-        that the tokenizer has a chat template."""
+        """A runner for `config.agent`, after checking that it names an async function, that
+        the tokenizer has a chat template and, with template_mismatch=error, that the template
+        keeps a probe conversation."""
         agent = resolve(config.agent, "rollout.multi_turn.agent")
         if not inspect.iscoroutinefunction(agent):
             raise ValueError(f"rollout.multi_turn.agent={config.agent!r} must be an async "
                              "function run(row, base_url) -> reward")
+        if config.template_mismatch == "error":
+            ChatFormat(tokenizer, None, dict(config.template_kwargs)).check_prefix_preserving()
         return cls(config, agent, tokenizer)
 
     def run(self, engine: RolloutEngine, records: list, sampling: SamplingConfig,
@@ -115,8 +118,6 @@ class AgentRunner:
         while True:
             requests = []
             for event in self._take_events(wait=not sampling_turns):
-                if isinstance(event, Exception):
-                    raise event
                 if isinstance(event, AgentResult):
                     results[event.episode_id] = event
                     continue

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 
-class TemplateMismatch(RuntimeError):
+class TemplateMismatch(ValueError):
     """The chat template renders an earlier part of the conversation differently once more
     messages follow, so the episode's tokens cannot equal the template's."""
 
@@ -78,14 +78,33 @@ class ChatFormat:
         seen = self.render(history)
         sampled_text = self.decode(sampled_ids)
         after = self.render(history + [self.assistant_message(sampled_ids)] + observations)
-        if not after.startswith(seen + sampled_text):
-            expected = seen + sampled_text
-            where = len(os.path.commonprefix([after, expected]))
+        if after.startswith(seen + sampled_text):
+            return self.encode(after[len(seen) + len(sampled_text):])
+        # Text that differs only where the tokenizer does not look (the spaces a word-level
+        # tokenizer drops around an empty turn) still continues the exact ids.
+        fed = self.encode(seen) + list(sampled_ids)
+        whole = self.encode(after)
+        if whole[:len(fed)] == fed:
+            return whole[len(fed):]
+        expected = seen + sampled_text
+        where = len(os.path.commonprefix([after, expected]))
+        raise TemplateMismatch(
+            f"turn {turn}: the chat template renders the conversation so far differently "
+            f"once the observation follows, from character {where}: "
+            f"{expected[where:where + 40]!r} became {after[where:where + 40]!r}")
+
+    def check_prefix_preserving(self) -> None:
+        """Run a probe conversation (a question, an answer, a tool result) through the token
+        contract; TemplateMismatch when the template cannot keep it."""
+        history = [{"role": "user", "content": "What is 6 times 7?"}]
+        answer = self.encode("Let me compute it.") + [self.end_of_turn_id]
+        try:
+            self.observation_ids(history, answer, [{"role": "tool", "content": "42"}], 1)
+        except TemplateMismatch as mismatch:
             raise TemplateMismatch(
-                f"turn {turn}: the chat template renders the conversation so far differently "
-                f"once the observation follows, from character {where}: "
-                f"{expected[where:where + 40]!r} became {after[where:where + 40]!r}")
-        return self.encode(after[len(seen) + len(sampled_text):])
+                f"the chat template is not prefix-preserving (with template_kwargs="
+                f"{self.template_kwargs}): {mismatch}; rollout.multi_turn.template_mismatch="
+                "end runs it anyway, ending each episode where it differs") from None
 
     def truncate(self, message: dict, max_tokens: int) -> tuple[dict, bool]:
         """The message with its content cut to `max_tokens` tokens, and whether it was cut."""

@@ -110,7 +110,7 @@ class ChatEndpoint:
         self.tokenizer = tokenizer
         self.config = config
         self.submit = submit
-        """Called with each Turn to sample, or with the TemplateMismatch that stops the job."""
+        """Called with each Turn to sample."""
         self.parse_tool_calls = load_parser(config.tool_parser)
         self.episodes: dict[str, AgentEpisode] = {}
         """The episodes served, by the id in their URL."""
@@ -180,10 +180,7 @@ class ChatEndpoint:
         episode.requests += 1
         try:
             chained = self._continued(episode, messages, signatures, tools, chat)
-        except TemplateMismatch as mismatch:
-            if self.config.template_mismatch == "error":
-                self.submit(mismatch)
-                raise
+        except TemplateMismatch:  # a history the template renders otherwise: end the episode
             episode.counts["template_mismatches"] += 1
             return Turn(episode, turn, signatures, tools, [], [], 0, chained=False)
         if chained is None:

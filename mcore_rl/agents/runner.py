@@ -46,7 +46,10 @@ class EpisodeRunner:
     def build(cls, config: MultiTurnConfig, chat: ChatFormat, spec: EpisodeSpec
               ) -> "EpisodeRunner":
         """A runner with its sandbox, after checking that the environment can be made there
-        (a broken environment class fails here, before any rollout)."""
+        (a broken environment class fails here, before any rollout), and, with
+        template_mismatch=error, that the chat template keeps a probe conversation."""
+        if config.template_mismatch == "error":
+            chat.check_prefix_preserving()
         limits = config.sandbox
         sandbox = Sandbox(SandboxLimits(
             timeout_seconds=limits.timeout_seconds, memory_mb=limits.memory_mb,
@@ -152,9 +155,7 @@ class EpisodeRunner:
         history = episode.messages[:-1]
         try:
             ids = self.chat.observation_ids(history, episode.last_turn, messages, episode.turns)
-        except TemplateMismatch:
-            if self.config.template_mismatch == "error":
-                raise
+        except TemplateMismatch:  # what the model wrote, the template renders otherwise
             episode.flags["template_mismatches"] += 1
             return self._end(episode, "length"), None
         if len(episode.token_ids) + len(ids) >= self.config.max_episode_tokens:

@@ -100,7 +100,10 @@ class MultiTurnConfig:
     template_mismatch: str = "error"
     """A chat template that does not render the conversation so far as a prefix of the
     conversation with the next observation (e.g. one that drops earlier reasoning): "error"
-    stops the job naming the turn; "end" ends that episode there (counted)."""
+    refuses it at start-up, from a probe conversation; "end" runs it anyway. Either way a
+    turn the template renders otherwise at run time (from what the model wrote) ends its
+    episode there, counted in episode/template_mismatches: model output never stops the
+    job."""
 
     sandbox: ToolSandboxConfig = field(default_factory=ToolSandboxConfig)
     """Limits of the environments' and tools' processes."""

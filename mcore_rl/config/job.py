@@ -289,8 +289,7 @@ def _placement_errors(config: JobConfig, world_size: int) -> list[str]:
     unsupported = {"rollout.async_rollout": rollout.async_rollout,
                    "rollout.dynamic_sampling": rollout.dynamic_sampling,
                    "reward.model_path": config.reward.model_path,
-                   "actor.offload": config.actor.offload, "critic.offload": config.critic.offload,
-                   "rollout.multi_turn": rollout.multi_turn.enabled}
+                   "actor.offload": config.actor.offload, "critic.offload": config.critic.offload}
     errors += [f"{name} is not supported {why}" for name, value in unsupported.items() if value]
     if config.algorithm.estimator == "remax":
         errors.append(f"algorithm.estimator=remax is not supported {why} (its greedy baseline "

@@ -6,7 +6,8 @@ evaluation) into one request per response, records each finished response as a C
 says when a prompt's group of responses is complete (it can be scored) and when a whole share
 is (it can be sent). At a weight update it applies the partial-rollout rule to the training
 responses still in flight: `continue` records from which token on the new version sampled,
-`abort` restarts them from the prompt under the new version.
+`abort` restarts them from the prompt under the new version. A share of multi-turn episodes is
+generated whole, between two updates, and recorded complete (`add_generated`).
 
 Every rank of an engine instance keeps the same book (they add the same requests and see the
 same responses finish), so all of them add and abort the same requests.
@@ -18,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mcore_rl.config.rollout import SamplingConfig
-from mcore_rl.rollout import Completion, FinishedSample, SampleRequest
+from mcore_rl.rollout import Completion, FinishedSample, Generation, SampleRequest
 
 ShareKey = tuple[str, int]
 """("batch", step) or ("eval", version)."""
@@ -91,6 +92,20 @@ class InstanceBook:
                 self.in_flight[request.key] = _Response(key, request, [(0, version)])
                 requests.append(request)
         return requests
+
+    def add_generated(self, kind: str, index: int, records: list, generation: Generation,
+                      version: int) -> OpenShare:
+        """A share generated whole with weights of `version` (multi-turn episodes, which run
+        to their end between two weight updates), recorded complete."""
+        key = (kind, index)
+        if key in self.shares:
+            raise ValueError(f"{kind} {index} is already being generated")
+        samples = len(generation.completions) // max(len(generation.prompts), 1)
+        share = self.shares[key] = OpenShare(kind, index, records, generation.prompts, samples)
+        for completion in generation.completions:
+            share.finished.setdefault(completion.prompt_index, {})[completion.sample_index] = \
+                dataclasses.replace(completion, versions=((0, version),))
+        return share
 
     def finish(self, sample: FinishedSample) -> tuple[ShareKey, int] | None:
         """Record a finished response; (its share, its prompt position) when that completes

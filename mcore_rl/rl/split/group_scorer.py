@@ -9,9 +9,10 @@ groups has its scores. Only an engine instance's leader scores (the sandbox runs
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 
 from mcore_rl.roles import RuleReward
-from mcore_rl.rollout import Completion, Generation
+from mcore_rl.rollout import Generation
 
 from .book import OpenShare, ShareKey
 
@@ -26,8 +27,7 @@ class GroupScorer:
 
     def submit(self, share: OpenShare, position: int) -> None:
         """Score the (complete) group of prompt `position` of `share`."""
-        completions = [Completion(0, c.sample_index, c.token_ids, c.logprobs, c.finish_reason)
-                       for c in share.group(position)]
+        completions = [dataclasses.replace(c, prompt_index=0) for c in share.group(position)]
         generation = Generation(completions, [share.prompts[position]])
         future = self._thread.submit(self.rule_reward.score, generation,
                                      [share.records[position]], f"{share.kind}{share.index}")

@@ -13,6 +13,8 @@ streaming interface, so new weights land between two engine steps. Responses in 
 update continue with the new weights or start again (rollout.partial_rollout); either way no
 response trains more than max_staleness versions after the version that started it, because a
 batch is only opened once the weights are recent enough, and the rollout ranks pause instead.
+Multi-turn episodes run whole when their batch opens, all with the weights held then (the
+trainers' updates wait meanwhile).
 
 Only rollout rank 0 reads control messages (from the job's store); it passes them to the other
 rollout ranks at every check, so every rank adds, aborts and receives the same things at the
@@ -27,6 +29,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from mcore_rl.agents.instance import run_on_instance
 from mcore_rl.config import JobConfig
 from mcore_rl.observability.step_metrics import PhaseTimer
 from mcore_rl.observability.timeline import ROLLOUT_TIMELINE_FILE, Timeline
@@ -34,8 +37,8 @@ from mcore_rl.runtime import initialize, read_launch_env, shutdown
 from mcore_rl.runtime.messages import ControlBoard, Outbox
 from mcore_rl.runtime.preemption import PreemptionFlag
 
-from ..build import build_rule_reward, build_vllm_engine, settled_config, training_layout, \
-    weight_plan
+from ..build import (build_episode_runner, build_rule_reward, build_vllm_engine,
+                     settled_config, training_layout, weight_plan)
 from ..data import load_training_data
 from ..rollout_scheduler import evaluation_sampling, training_sampling
 from .book import InstanceBook
@@ -62,6 +65,8 @@ class RolloutWorker:
         plan = weight_plan(config, training_layout(config, launch.world_size))
         self.engine, self.weight_sync = build_vllm_engine(config, config.sequence_length(),
                                                           plan, self.split.bridge)
+        self.episodes = build_episode_runner(config, self.data)
+        """Multi-turn jobs: the runner of this rank's episodes (None: one response each)."""
         self.control = ControlBoard(self.split.store, datetime.timedelta(
             minutes=config.runtime.collective_timeout_minutes))
         self.outbox = Outbox(self.split.messages)
@@ -111,6 +116,8 @@ class RolloutWorker:
         self.timeline.close()
         if self.scorer is not None:
             self.scorer.close()
+        if self.episodes is not None:
+            self.episodes.close()
         self.engine.close()
         shutdown()
 
@@ -170,8 +177,12 @@ class RolloutWorker:
             share = len(records) // self.instances
             mine = slice(self.instance * share, (self.instance + 1) * share)
             sampling = training_sampling(self.config, self.data.stop_token_ids, step)
-            self.engine.add_requests(self.book.open("batch", step, records[mine],
-                                                    token_ids[mine], sampling, self.version))
+            if self.episodes is None:
+                self.engine.add_requests(self.book.open("batch", step, records[mine],
+                                                        token_ids[mine], sampling,
+                                                        self.version))
+            else:
+                self._run_episodes("batch", step, records[mine], sampling)
             self.next_batch += 1
 
     def _open_evaluation(self, version: int) -> None:
@@ -180,10 +191,26 @@ class RolloutWorker:
                                f"{self.version}")
         picked = range(self.instance, len(self.data.validation), self.instances)
         sampling = evaluation_sampling(self.config, self.data.stop_token_ids)
-        self.engine.add_requests(self.book.open(
-            "eval", version, [self.data.validation[i] for i in picked],
-            [self.data.validation_token_ids[i] for i in picked], sampling, version))
+        records = [self.data.validation[i] for i in picked]
+        if self.episodes is None:
+            self.engine.add_requests(self.book.open(
+                "eval", version, records, [self.data.validation_token_ids[i] for i in picked],
+                sampling, version))
+        else:
+            self._run_episodes("eval", version, records, sampling)
         self.wanted.add(("eval", version))
+
+    def _run_episodes(self, kind: str, index: int, records: list, sampling) -> None:
+        """A share of multi-turn episodes, run to their end with the current weights
+        (collective over the rollout ranks, which all open the same shares at once), then
+        scored group by group."""
+        with self.timer("generate"):
+            generation = run_on_instance(self.episodes, self.engine, records, sampling,
+                                         self.config.data.max_prompt_tokens)
+        share = self.book.add_generated(kind, index, records, generation, self.version)
+        if self.scorer is not None:
+            for position in range(len(share.prompts)):
+                self.scorer.submit(share, position)
 
     def _generate(self) -> bool:
         """Up to rollout.update_check_steps engine steps (collective over the rollout ranks);
