@@ -27,8 +27,6 @@ import time
 import types
 from typing import Callable
 
-from transformers.utils import get_json_schema
-
 from .tool_calls import ToolCall, ToolCallError, bind_arguments
 
 Observation = "str | list[dict] | None"
@@ -116,6 +114,8 @@ def environment_methods(environment) -> dict[str, Callable]:
 def tool_schemas(environment_class: type, functions: dict[str, Callable]) -> list[dict]:
     """OpenAI-style function schemas of the environment's methods and the plain tools, for
     the chat template; ValueError naming the tool whose docstring or hints cannot be read."""
+    from transformers.utils import get_json_schema  # here: transformers takes a second to load
+
     # Bound to a placeholder, a method's signature loses `self`, as the model's calls do.
     methods = {name: types.MethodType(method, object())
                for name, method in environment_methods(environment_class).items()}
