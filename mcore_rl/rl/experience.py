@@ -59,7 +59,7 @@ def _set_outcome_rewards(batch: dict, scores: torch.Tensor) -> None:
     response get none)."""
     response_mask = batch["response_mask"]
     token_rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
-    positions = torch.arange(response_mask.shape[1])
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
     last = (positions * response_mask).argmax(dim=1)
     has_response = response_mask.sum(dim=1) > 0
     rows = torch.arange(len(scores))[has_response]
