@@ -14,7 +14,8 @@ from .parallel import ParallelConfig
 from .placement import PlacementConfig
 from .preference import DpoConfig, RmConfig
 from .reward import RewardConfig
-from .rl import (CriticConfig, ReferenceConfig, RoleConfig, RolloutConfig, TrainerConfig,
+from .lora import LoraConfig
+from .rl import (ActorConfig, CriticConfig, ReferenceConfig, RolloutConfig, TrainerConfig,
                  rollout_tp_errors)
 from .runtime import RuntimeConfig
 from .sft import SftConfig
@@ -84,7 +85,7 @@ class JobConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """RL: advantage estimator, losses, KL (`mcore-rl train`)."""
 
-    actor: RoleConfig = field(default_factory=RoleConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
     """RL: the trained policy's optimizer and micro-batch size."""
 
     critic: CriticConfig = field(default_factory=lambda: CriticConfig(
@@ -193,6 +194,16 @@ def moe_job_errors(config: JobConfig, job: str) -> list[str]:
             "Mixture-of-Experts models yet (RL, SFT, DPO and RM do; docs/moe.md)"]
 
 
+def lora_errors(config: JobConfig, lora: LoraConfig, prefix: str) -> list[str]:
+    """The adapter settings at `prefix` and what they cannot be combined with yet."""
+    errors = lora.errors(prefix)
+    if lora.enabled and config.model.moe.enabled:
+        errors.append(f"{prefix}.enabled: adapters on a Mixture-of-Experts model (model.moe."
+                      f"num_experts={config.model.moe.num_experts}) are not supported yet: "
+                      "its MLP has no linear_fc1/linear_fc2, only experts (docs/lora.md)")
+    return errors
+
+
 def _moe_rl_errors(config: JobConfig) -> list[str]:
     """What an RL job on a Mixture-of-Experts model cannot do yet. With experts split over
     ranks, every forward pass exchanges tokens among the EP ranks, so they must run the same
@@ -244,6 +255,7 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
     errors += config.critic.optimizer.check("critic.optimizer")
     errors += _rl_batch_errors(config, world_size) + list(name_errors) + _moe_rl_errors(config)
     errors += _engine_old_logprob_errors(config)
+    errors += lora_errors(config, config.actor.lora, "actor.lora")
     if config.reward.shaping.active and config.algorithm.estimator == "remax":
         errors.append("reward.shaping cannot be combined with algorithm.estimator=remax: its "
                       "greedy baseline is scored without the shaping")
@@ -332,6 +344,7 @@ def validate_dataset_job(config: JobConfig, world_size: int, section: str,
     dp_size = config.parallel.data_parallel_size(world_size)
     errors = getattr(config, section).errors(dp_size) + colocated_only_errors(config)
     errors += moe_job_errors(config, section)
+    errors += lora_errors(config, getattr(config, section).lora, f"{section}.lora")
     if config.data.chat_template_mode() not in CHAT_TEMPLATE_MODES:
         errors.append(f"data.apply_chat_template={config.data.apply_chat_template!r} must be "
                       f"one of {', '.join(CHAT_TEMPLATE_MODES)}")

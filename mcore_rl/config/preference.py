@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .lora import LoraConfig
 from .sft import offline_job_errors
 from .training import OptimizerConfig
 
@@ -63,6 +64,10 @@ class PairDataConfig:
 
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     """Adam and the LR schedule."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Train low-rank adapters on the frozen starting weights (DPO's reference is then the
+    policy with its adapters off; a reward model trains its scalar head whole: docs/lora.md)."""
 
     SECTION = "pairs"  # the JobConfig field a subclass is held in, named by its errors
 

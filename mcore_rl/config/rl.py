@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .agents import MultiTurnConfig
+from .lora import LoraConfig
 from .rollout import SamplingConfig
 from .training import OptimizerConfig
 
@@ -48,6 +49,15 @@ class RoleConfig:
     """Park this role's parameters, gradients and optimizer state in host memory while the
     engine generates, so a colocated GPU holds either them or the engine's weights and KV cache
     (vllm engine only; costs two host<->device copies per step)."""
+
+
+@dataclass(frozen=True)
+class ActorConfig(RoleConfig):
+    """The trained policy."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Train low-rank adapters on the frozen starting weights; the reference is then the actor
+    with its adapters off (docs/lora.md)."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .data import FILE_EXTENSIONS
+from .lora import LoraConfig
 from .training import OptimizerConfig
 
 
@@ -55,6 +56,9 @@ class SftConfig:
 
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     """Adam and the LR schedule of the supervised steps."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Train low-rank adapters on the frozen starting weights (docs/lora.md)."""
 
     def errors(self, data_parallel_size: int) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""

@@ -11,8 +11,11 @@ from typing import Literal
 import torch
 
 from ..config import ModelConfig, ParallelConfig
+from ..config.lora import LoraConfig
+from ..param_layout.sharding import adapter_of
 from .heads import ScalarHead
 from .layer_spec import decoder_spec
+from .lora import initialize_adapters
 from .rope import llama3_scaled_frequencies, rope_inverse_frequencies
 from .transformer_config import megatron_transformer_config
 
@@ -21,13 +24,16 @@ Head = Literal["lm", "scalar"]
 
 def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str = "fp32",
                     head: Head = "lm", device: torch.device | None = None,
-                    random_init: bool = True):
+                    random_init: bool = True, lora: LoraConfig | None = None,
+                    seed: int = 0):
     """The GPTModel stage this rank holds in the current Megatron parallel state.
 
     head="lm": vocab-parallel logits over `model.padded_vocab_size(tp)` rows.
     head="scalar": one number per position (critic values, reward-model scores).
     random_init=False: parameters are left uninitialised for the caller to load (the scalar
     head still starts at zero).
+    lora (enabled): the targeted linears get adapters, started from `seed` (models/lora.py);
+    everything else is frozen, except a scalar head, which trains whole.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -38,7 +44,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
     post_process = parallel_state.is_pipeline_last_stage()
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec(config, model.qk_norm, model.moe.enabled),
+        transformer_layer_spec=decoder_spec(config, model.qk_norm, model.moe.enabled, lora),
         vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -61,7 +67,18 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
                 parameter.requires_grad_(False)
     if device is not None:
         gpt.to(device)
+    if lora is not None and lora.enabled:
+        _freeze_all_but_adapters(gpt)
+        initialize_adapters(gpt, model, seed)
     return gpt
+
+
+def _freeze_all_but_adapters(gpt) -> None:
+    """Only adapters (and a scalar head: peft's modules_to_save for a score head) train."""
+    for name, parameter in gpt.named_parameters():
+        trains = adapter_of(name) is not None or isinstance(
+            getattr(gpt, "output_layer", None), ScalarHead) and name.startswith("output_layer.")
+        parameter.requires_grad_(trains)
 
 
 def _cast_parameters(gpt, dtype: torch.dtype) -> None:

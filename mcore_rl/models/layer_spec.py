@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 
+from ..config.lora import LoraConfig
+
 
 def transformer_engine_available() -> bool:
     """True when transformer_engine can be imported (CUDA builds only)."""
@@ -28,9 +30,15 @@ def llama_layer_spec(qk_norm: bool, use_transformer_engine: bool | None = None):
     return spec
 
 
-def decoder_spec(config, qk_norm: bool, moe: bool):
+def decoder_spec(config, qk_norm: bool, moe: bool, lora: LoraConfig | None = None):
     """What GPTModel takes as its transformer_layer_spec: one layer spec for a dense model, the
-    block spec (dense and MoE layers, models/moe.py) for a Mixture-of-Experts model."""
+    block spec (dense and MoE layers, models/moe.py) for a Mixture-of-Experts model. Adapters
+    (lora enabled) go on the local spec's linears, also where Transformer Engine imports: its
+    fused norm+linear hides the normalised input an adapter reads."""
+    if lora is not None and lora.enabled:
+        from .lora import with_adapters
+
+        return with_adapters(llama_layer_spec(qk_norm, use_transformer_engine=False), lora)
     if not moe:
         return llama_layer_spec(qk_norm)
     from .moe import moe_block_spec

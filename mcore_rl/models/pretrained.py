@@ -12,18 +12,22 @@ import torch
 
 from ..checkpoint.weights_io import load_weights_into, megatron_coordinates, read_metadata
 from ..config import InitConfig, ModelConfig, ParallelConfig
+from ..config.lora import LoraConfig
 from ..param_layout import sharding
 from ..runtime.devices import collective_device
 from .build import build_gpt_model
-from .weights import copy_into_stage, local_parameters
+from .weights import base_parameters, copy_into_stage
 
 
 def build_from_init(init: InitConfig, model: ModelConfig, parallel: ParallelConfig,
-                    precision: str, head: str = "lm", device: torch.device | None = None):
+                    precision: str, head: str = "lm", device: torch.device | None = None,
+                    lora: LoraConfig | None = None, seed: int = 0):
     """This rank's model stage holding `init`'s weights, randomly initialised only when `init`
-    names no weights (initialising what a checkpoint overwrites costs minutes at scale)."""
+    names no weights (initialising what a checkpoint overwrites costs minutes at scale); with
+    lora enabled, `init`'s weights are the frozen base of new adapters started from `seed`."""
     module = build_gpt_model(model, parallel, precision, head, device,
-                             random_init=not (init.hf_path or init.checkpoint))
+                             random_init=not (init.hf_path or init.checkpoint), lora=lora,
+                             seed=seed)
     load_initial_weights(module, init, model, head)
     check_replicas_identical(module)
     return module
@@ -77,7 +81,7 @@ def load_initial_weights(module: torch.nn.Module, init: InitConfig, model: Model
         return True
     if init.checkpoint:
         stored_head = read_metadata(init.checkpoint)["head"]
-        params = {name: p.data for name, p in local_parameters(module).items()}
+        params = {name: p.data for name, p in base_parameters(module).items()}
         if stored_head == head:
             load_weights_into(init.checkpoint, params, model, coordinates, head)
             return True

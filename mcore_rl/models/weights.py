@@ -20,6 +20,13 @@ def local_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {sharding.canonical_name(name): param for name, param in module.named_parameters()}
 
 
+def base_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """`local_parameters` without adapter matrices: what a model checkpoint or an HF folder
+    holds."""
+    return {name: param for name, param in local_parameters(module).items()
+            if sharding.adapter_of(name) is None}
+
+
 def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Detached CPU copies of this stage's parameters, under local-spec names."""
     return {name: param.detach().cpu().clone() for name, param in local_parameters(module).items()}
@@ -29,9 +36,9 @@ def local_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def copy_into_stage(module: torch.nn.Module, local_shards: Mapping[str, torch.Tensor],
                     keep: tuple[str, ...] = ()) -> None:
     """Copy local shards (local-spec names) into the stage's parameters, in place, after
-    checking that they cover exactly the parameters, except those in `keep` (left as they are),
-    with the right shapes."""
-    params = {name: p for name, p in local_parameters(module).items() if name not in keep}
+    checking that they cover exactly the parameters, except those in `keep` and adapters (left
+    as they are), with the right shapes."""
+    params = {name: p for name, p in base_parameters(module).items() if name not in keep}
     missing = sorted(set(params) - set(local_shards))
     unexpected = sorted(set(local_shards) - set(params))
     if missing or unexpected:

@@ -239,6 +239,49 @@ def _rule(name: str) -> _ParamRule:
     return rule
 
 
+# --------------------------------------------------------------------------------------------
+# Adapters (LoRA)
+# --------------------------------------------------------------------------------------------
+
+ADAPTER_MATRICES = ("lora_a", "lora_b")
+"""The two matrices of an adapter, as parameters of their linear: ``<linear>.lora_a`` [r, in]
+and ``<linear>.lora_b`` [out, r]."""
+
+_ADAPTER = re.compile(r"^(decoder\.layers\.\d+\.(?:self_attention|mlp)\.linear_\w+)\."
+                      r"(lora_a|lora_b)$")
+
+
+def adapter_of(name: str) -> tuple[str, str] | None:
+    """(the adapted linear's weight name, "lora_a" or "lora_b") for an adapter parameter's
+    name; None for any other name."""
+    match = _ADAPTER.match(name)
+    if not match:
+        return None
+    return f"{match.group(1)}.weight", match.group(2)
+
+
+def adapter_kind(name: str) -> ShardKind:
+    """How adapter parameter ``name`` is split across TP ranks, following its linear: a
+    row-parallel linear's A is split on its input columns (B whole); any other linear's B is
+    split on its output rows like the linear's weight (A whole)."""
+    base, matrix = adapter_of(name)
+    kind = shard_kind(base)
+    if kind is ShardKind.ROW:
+        return ShardKind.ROW if matrix == "lora_a" else ShardKind.REPLICATED
+    return ShardKind.REPLICATED if matrix == "lora_a" else kind
+
+
+def split_adapter(name: str, full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s shard of adapter parameter ``name``'s full tensor."""
+    _check_rank(tp_rank, tp_size, "tp_rank")
+    return _split(adapter_kind(name), full, tp_size, tp_rank)
+
+
+def merge_adapter(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Adapter parameter ``name``'s full tensor from its shards in TP rank order."""
+    return _merge(adapter_kind(name), shards).contiguous()
+
+
 def _layer_index(name: str) -> int | None:
     """The layer index in ``decoder.layers.{i}.*`` names, None for non-layer names."""
     match = _LAYER_PREFIX.match(name)
@@ -373,11 +416,15 @@ def split_for_tp(name: str, full: torch.Tensor, model: ModelConfig, tp_size: int
     _check_layout(model, tp_size)
     _check_rank(tp_rank, tp_size, "tp_rank")
     _check_shape(name, full, full_shape(name, model), "full tensor")
-    kind = shard_kind(name)
+    return _split(shard_kind(name), full, tp_size, tp_rank, model)
+
+
+def _split(kind: ShardKind, full: torch.Tensor, tp_size: int, tp_rank: int,
+           model: ModelConfig | None = None) -> torch.Tensor:
+    """Rank ``tp_rank``'s contiguous shard of ``full`` split as ``kind`` says (``model`` is
+    needed for VOCAB only)."""
     if kind is ShardKind.REPLICATED:
         shard = full
-    elif kind is ShardKind.COLUMN:
-        shard = full.chunk(tp_size, dim=0)[tp_rank]
     elif kind is ShardKind.ROW:
         shard = full.chunk(tp_size, dim=1)[tp_rank]
     elif kind is ShardKind.VOCAB:
@@ -401,11 +448,17 @@ def merge_from_tp(name: str, shards: Sequence[torch.Tensor], model: ModelConfig,
     for rank, shard in enumerate(shards):
         _check_shape(name, shard, expected, f"TP rank {rank} shard of")
     kind = shard_kind(name)
+    if kind is ShardKind.REPLICATED and check_replicas:
+        for rank, shard in enumerate(shards[1:], start=1):
+            if not torch.equal(shard, shards[0]):
+                raise ValueError(f"replicated {name!r} differs between TP rank 0 and {rank}")
+    return _merge(kind, shards, model)
+
+
+def _merge(kind: ShardKind, shards: Sequence[torch.Tensor],
+           model: ModelConfig | None = None) -> torch.Tensor:
+    """Inverse of `_split`: the full tensor from its shards in TP rank order."""
     if kind is ShardKind.REPLICATED:
-        if check_replicas:
-            for rank, shard in enumerate(shards[1:], start=1):
-                if not torch.equal(shard, shards[0]):
-                    raise ValueError(f"replicated {name!r} differs between TP rank 0 and {rank}")
         full = shards[0]
     elif kind is ShardKind.ROW:
         full = torch.cat(list(shards), dim=1)
@@ -438,6 +491,12 @@ def stage_of_layer(global_layer: int, model: ModelConfig, pp_size: int) -> tuple
     return global_layer // per_stage, global_layer % per_stage
 
 
+def _check_known(name: str) -> None:
+    """Raise ValueError unless ``name`` is a parameter or an adapter of one."""
+    adapter = adapter_of(name)
+    _rule(adapter[0] if adapter else name)
+
+
 def _stage_of_global_param(name: str, pp_size: int) -> int:
     """Pipeline stage that owns non-layer parameter ``name`` (embedding first, head last)."""
     _rule(name)  # raises for unknown names
@@ -449,7 +508,7 @@ def to_global_name(local_name: str, pp_rank: int, model: ModelConfig, pp_size: i
     indices change; the spelling (local spec or TE) is kept."""
     per_stage = layers_per_stage(model, pp_size)
     _check_rank(pp_rank, pp_size, "pp_rank")
-    _rule(local_name)
+    _check_known(local_name)
     local = _layer_index(local_name)
     if local is None:
         owner = _stage_of_global_param(local_name, pp_size)
@@ -465,7 +524,7 @@ def to_global_name(local_name: str, pp_rank: int, model: ModelConfig, pp_size: i
 def to_local_name(global_name: str, model: ModelConfig, pp_size: int) -> tuple[int, str]:
     """(pipeline stage, local name) of the global-index name ``global_name``. For a tied model's
     ``output_layer.weight`` this is its last-stage copy."""
-    _rule(global_name)
+    _check_known(global_name)
     layer = _layer_index(global_name)
     if layer is None:
         return _stage_of_global_param(global_name, pp_size), global_name

@@ -1,0 +1,90 @@
+"""One rank of the LoRA parity world (tests/test_lora.py): at each layout, build the model with
+adapters, load an HF base and given adapters, score a batch, take the gradient of a policy-style
+loss, and save on rank 0 the log-probs, the full adapter gradients, the merged (served) weights
+and the log-probs with adapters off."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from conversion_worker import _set_layout
+from layout_worker import MICRO_BATCH, _gather_to_rank0, policy_style_loss
+from mcore_rl.config import InitConfig, OptimizerConfig, ParallelConfig
+from mcore_rl.config.lora import LoraConfig
+from mcore_rl.conversion.hf_to_mcore import model_config_of_hf
+from mcore_rl.models import build_gpt_model
+from mcore_rl.models.lora import (adapter_tensors, adapters_disabled, gather_full_adapters,
+                                  served_parameters)
+from mcore_rl.models.pretrained import load_initial_weights
+from mcore_rl.param_layout import sharding
+from mcore_rl.training import compute_outputs, make_trainable, shard_for_data_parallel, train_step
+
+# lr 0 and no clipping: the step leaves the weights alone and the gradients as computed.
+FROZEN_STEP = OptimizerConfig(lr=0.0, clip_grad=0.0, use_distributed_optimizer=False)
+
+
+@torch.no_grad()
+def load_adapters(module, full: dict, model) -> None:
+    """Copy this rank's shards of the full adapters (global names) into the stage."""
+    from megatron.core import parallel_state as ps
+
+    tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    pp_size, pp_rank = (ps.get_pipeline_model_parallel_world_size(),
+                        ps.get_pipeline_model_parallel_rank())
+    for name, param in adapter_tensors(module).items():
+        tensor = full[sharding.to_global_name(name, pp_rank, model, pp_size)]
+        param.copy_(sharding.split_adapter(name, tensor, tp_size, tp_rank))
+
+
+def _served_weights(module, model, tp: int) -> dict | None:
+    from mcore_rl.checkpoint import megatron_coordinates
+
+    coordinates = megatron_coordinates()
+    names = coordinates.stage_params(model, "lm")
+    state = {names[local]: tensor.detach().clone()
+             for local, tensor in served_parameters(module).items()}
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, (coordinates.tp_rank, state))
+    if dist.get_rank() != 0:
+        return None
+    shards = {}
+    for tp_rank, rank_state in everything:
+        for name, tensor in rank_state.items():
+            shards.setdefault(name, {})[tp_rank] = tensor
+    return {name: sharding.merge_from_tp(name, [by_rank[r] for r in range(tp)], model, tp)
+            for name, by_rank in shards.items()}
+
+
+def run_lora_parity(hf_dir: str, lora: LoraConfig, adapters: dict, layouts: list, batch: dict,
+                    out_path: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.runtime import start_process_group
+
+    start_process_group(timeout_minutes=3)
+    model = model_config_of_hf(hf_dir)
+    results = {}
+    for tp, pp in layouts:
+        _set_layout(tp, pp)
+        parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        module = build_gpt_model(model, parallel, "fp32", lora=lora, seed=3)
+        assert load_initial_weights(module, InitConfig(hf_path=hf_dir), model)
+        trained = sorted(name for name, p in module.named_parameters() if p.requires_grad)
+        load_adapters(module, adapters, model)
+        local = shard_for_data_parallel(batch, ps.get_data_parallel_rank(),
+                                        ps.get_data_parallel_world_size())
+        trainable = make_trainable(module, FROZEN_STEP, "fp32")
+        outputs = compute_outputs(trainable.chunks, local, MICRO_BATCH, "lm", model.vocab_size)
+        with adapters_disabled(module):
+            base = compute_outputs(trainable.chunks, local, MICRO_BATCH, "lm", model.vocab_size)
+        metrics = train_step(trainable, local, MICRO_BATCH, policy_style_loss, "lm",
+                             model.vocab_size)
+        grads = gather_full_adapters({name: param.main_grad for name, param in
+                                      adapter_tensors(module).items()}, model)
+        results[(tp, pp)] = {"logprobs": _gather_to_rank0(outputs["logprobs"]),
+                             "base_logprobs": _gather_to_rank0(base["logprobs"]),
+                             "loss": metrics["loss"], "grads": grads, "trained": trained,
+                             "served": _served_weights(module, model, tp)}
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)

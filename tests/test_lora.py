@@ -1,0 +1,148 @@
+"""LoRA against HF peft on the same base weights and adapters (fp32, <= 1e-5): log-probs, the
+gradient of every adapter matrix after one backward pass, the served (merged) weights against
+peft's merge_and_unload, and the base with adapters off, at TP1 and TP2 x PP2.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from hf_models import save_hf_case
+from layout_worker import reference_batch
+from lora_worker import run_lora_parity
+from mcore_rl.config import ModelConfig
+from mcore_rl.config.lora import LoraConfig
+from mcore_rl.conversion.architectures.llama_family import fuse_qkv
+from mcore_rl.conversion.hf_to_mcore import model_config_of_hf
+from world import run_world
+
+TOLERANCE = 1e-5
+LAYOUTS = [(1, 1), (2, 2)]
+LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FUSED = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+         "linear_proj": ("self_attn", ("o_proj",)),
+         "linear_fc1": ("mlp", ("gate_proj", "up_proj")),
+         "linear_fc2": ("mlp", ("down_proj",))}
+MEGATRON_BLOCK = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
+                  "linear_fc1": "mlp", "linear_fc2": "mlp"}
+
+
+def peft_model(hf_model, generator):
+    """peft adapters on a copy of the HF model: one A per fused Megatron linear (q, k and v
+    share theirs, as gate and up do), random non-zero B everywhere."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    model = get_peft_model(copy.deepcopy(hf_model), PeftLoraConfig(
+        r=LORA.rank, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules=HF_TARGETS))
+    with torch.no_grad():
+        for layer in model.base_model.model.model.layers:
+            for block, names in FUSED.values():
+                modules = [getattr(getattr(layer, block), name) for name in names]
+                shared_a = 0.1 * torch.randn(modules[0].lora_A["default"].weight.shape,
+                                             generator=generator)
+                for module in modules:
+                    module.lora_A["default"].weight.copy_(shared_a)
+                    module.lora_B["default"].weight.copy_(
+                        0.1 * torch.randn(module.lora_B["default"].weight.shape,
+                                          generator=generator))
+    return model
+
+
+def canonical(peft, model: ModelConfig, tensor_of) -> dict:
+    """Megatron's full adapters (or their gradients) from peft's modules: `tensor_of(linear,
+    "A" or "B")` reads one; fused linears take the shared A (its gradient: the sum) and B's
+    rows fused as the weight's are."""
+    full = {}
+    for index, layer in enumerate(peft.base_model.model.model.layers):
+        for linear, (block, names) in FUSED.items():
+            modules = [getattr(getattr(layer, block), name) for name in names]
+            a = (tensor_of(modules[0], "A") if tensor_of is _weight
+                 else sum(tensor_of(module, "A") for module in modules))
+            bs = [tensor_of(module, "B") for module in modules]
+            b = fuse_qkv(*bs, model) if linear == "linear_qkv" else torch.cat(bs)
+            stem = f"decoder.layers.{index}.{MEGATRON_BLOCK[linear]}.{linear}"
+            full[f"{stem}.lora_a"] = a
+            full[f"{stem}.lora_b"] = b
+    return full
+
+
+def _weight(module, which):
+    return getattr(module, f"lora_{which}")["default"].weight.detach().clone()
+
+
+def _grad(module, which):
+    return getattr(module, f"lora_{which}")["default"].weight.grad.clone()
+
+
+def hf_policy_loss(logits, batch):
+    """layout_worker.policy_style_loss on HF logits: -logp - 0.1 entropy, mean over real tokens
+    after the first; also returns the per-token log-probs (0 at position 0 and padding)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    log_softmax = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    logp = log_softmax.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    real = mask[:, 1:].float()
+    loss = ((-logp - 0.1 * entropy) * real).sum() / real.sum()
+    return loss, torch.nn.functional.pad(logp * real, (1, 0))
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    hf_dir = str(root / "hf")
+    hf_model = save_hf_case("qwen2", hf_dir)
+    model = model_config_of_hf(hf_dir)
+    batch = reference_batch(model)
+    peft = peft_model(hf_model, torch.Generator().manual_seed(5))
+    logits = peft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    loss, logprobs = hf_policy_loss(logits, batch)
+    loss.backward()
+    with torch.no_grad(), peft.disable_adapter():
+        base_logits = peft(input_ids=batch["input_ids"],
+                           attention_mask=batch["attention_mask"]).logits
+    reference = {"logprobs": logprobs.detach(), "loss": loss.item(),
+                 "base_logprobs": hf_policy_loss(base_logits, batch)[1],
+                 "grads": canonical(peft, model, _grad),
+                 "merged": copy.deepcopy(peft).merge_and_unload().state_dict()}
+    out = root / "results.pt"
+    run_world(4, run_lora_parity, hf_dir, LORA, canonical(peft, model, _weight), LAYOUTS, batch,
+              str(out))
+    return reference, torch.load(out, weights_only=False), model
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"TP{l[0]}PP{l[1]}")
+def test_lora_matches_peft(parity, layout):
+    reference, results, model = parity
+    got = results[layout]
+    mask = reference_batch(model)["attention_mask"].bool()
+    for name in ("logprobs", "base_logprobs"):
+        difference = (got[name] - reference[name])[mask].abs().max().item()
+        print(f"{name}: max difference {difference:.1e}")
+        assert difference <= TOLERANCE, name
+    assert abs(got["loss"] - reference["loss"]) <= TOLERANCE
+    assert got["grads"].keys() == reference["grads"].keys()
+    for name, want in reference["grads"].items():
+        assert want.abs().max() > 0, name  # every adapter matrix gets a gradient
+        difference = (got["grads"][name] - want).abs().max().item()
+        print(f"gradient of {name}: max {want.abs().max().item():.2e}, difference {difference:.1e}")
+        assert difference <= TOLERANCE * max(1.0, want.abs().max().item()), name
+    assert all(".lora_" in name for name in got["trained"]) and got["trained"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"TP{l[0]}PP{l[1]}")
+def test_served_weights_are_peft_merge(parity, layout):
+    """What the engine gets (W + alpha/r B A, shard by shard) is peft's merge_and_unload."""
+    from mcore_rl.conversion.architectures import ARCHITECTURES
+
+    reference, results, model = parity
+    merged = {name.removeprefix("base_model.model."): tensor
+              for name, tensor in reference["merged"].items()}
+    architecture = ARCHITECTURES["Qwen2ForCausalLM"]
+    served = results[layout]["served"]
+    assert not any("lora" in name for name in served)
+    for name, tensor in served.items():
+        want = architecture.to_canonical(name, merged, model)
+        assert (tensor - want).abs().max().item() <= TOLERANCE, name
