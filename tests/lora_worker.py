@@ -88,3 +88,26 @@ def run_lora_parity(hf_dir: str, lora: LoraConfig, adapters: dict, layouts: list
                              "served": _served_weights(module, model, tp)}
     if dist.get_rank() == 0:
         torch.save(results, out_path)
+
+
+def lora_rl_run(out_path: str, overrides: list[str], steps: int) -> None:
+    """An RL run with adapters: its evaluation before the first step, `steps` steps (or what is
+    left of them after a resume), an HF export, and the actor's log-probs of a fixed batch."""
+    from mcore_rl.config import load_config
+    from mcore_rl.rl import Trainer
+    from rl_worker import TOY_CONFIG
+
+    trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    first_step = trainer.step
+    before = trainer.evaluate() if first_step == 0 else None
+    history = [trainer.train_step() for _ in range(first_step, steps)]
+    hf_dir = trainer.export_hf()
+    input_ids = torch.randint(0, 16, (16, 10), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    logprobs = trainer.roles.actor.logprobs(batch)["logprobs"]
+    if dist.get_rank() == 0:
+        torch.save({"before": before, "history": history, "hf_dir": hf_dir,
+                    "input_ids": input_ids, "logprobs": logprobs,
+                    "reference_is_actor": trainer.roles.reference.module
+                    is trainer.roles.actor.module}, out_path)
+    trainer.close()

@@ -24,14 +24,17 @@ from mcore_rl.checkpoint.weights_io import megatron_coordinates, save_weights
 from mcore_rl.config import ConfigError, JobConfig
 from mcore_rl.conversion.export import hf_metadata, tokenizer_files
 from mcore_rl.conversion.mcore_to_hf import convert_mcore_to_hf
+from mcore_rl.conversion.peft_adapter import ADAPTER_DIR
 from mcore_rl.data import pad_id
 from mcore_rl.models.build import build_gpt_model
+from mcore_rl.models.lora import served_parameters
 from mcore_rl.models.pretrained import build_from_init
 from mcore_rl.models.weights import copy_into_stage, local_parameters
 from mcore_rl.observability import METRICS_FILE
 from mcore_rl.roles import Reference
 from mcore_rl.runtime import print0
 from mcore_rl.training import compute_outputs, make_trainable, train_step
+from mcore_rl.training.adapter_export import export_adapters
 from mcore_rl.training.batches import with_score_slot
 from mcore_rl.training.dataset_job import (DatasetJob, data_parallel_sums, run_epochs,
                                            start_dataset_job)
@@ -69,7 +72,8 @@ class PreferenceTrainer:
             raise ConfigError(f"{self.SECTION}.batch_size={section.batch_size} exceeds the "
                               f"{train.num_pairs} training pairs")
         module = build_from_init(config.init, config.model, config.parallel,
-                                 config.runtime.precision, self.HEAD, job.runtime.device)
+                                 config.runtime.precision, self.HEAD, job.runtime.device,
+                                 section.lora, config.runtime.seed)
         self.trainable = make_trainable(module, section.optimizer, config.runtime.precision)
         self.prepare(job, module)
         self.pad_id = pad_id(job.tokenizer)
@@ -144,11 +148,14 @@ class PreferenceTrainer:
         """The weights checkpoint, then the HF folder converted from it (collective)."""
         config = job.config
         model_dir = os.path.join(config.runtime.output_dir, MODEL_DIR)
-        save_weights(model_dir, local_parameters(module), config.model, megatron_coordinates(),
+        save_weights(model_dir, served_parameters(module), config.model, megatron_coordinates(),
                      head=self.HEAD, extra_metadata=hf_metadata(config),
                      tokenizer_files=tokenizer_files(job.tokenizer))
         hf_dir = os.path.join(config.runtime.output_dir, HF_DIR)
         convert_mcore_to_hf(model_dir, hf_dir)
+        lora = getattr(config, self.SECTION).lora
+        if lora.enabled and self.HEAD == "lm":
+            export_adapters(module, config, lora, os.path.join(hf_dir, ADAPTER_DIR))
         return hf_dir
 
 
@@ -172,12 +179,15 @@ class DpoTrainer(PreferenceTrainer):
 
     def prepare(self, job: DatasetJob, module) -> None:
         """The reference: a second stage holding a copy of the policy's starting weights (a
-        copy, not a second load, so a randomly initialised policy gets the same reference)."""
+        copy, not a second load, so a randomly initialised policy gets the same reference); with
+        dpo.lora, the policy itself with its adapters off."""
         config = job.config
-        reference = build_gpt_model(config.model, config.parallel, config.runtime.precision,
-                                    "lm", job.runtime.device, random_init=False)
-        copy_into_stage(reference, {name: param.detach()
-                                    for name, param in local_parameters(module).items()})
+        reference = module
+        if not config.dpo.lora.enabled:
+            reference = build_gpt_model(config.model, config.parallel, config.runtime.precision,
+                                        "lm", job.runtime.device, random_init=False)
+            copy_into_stage(reference, {name: param.detach()
+                                        for name, param in local_parameters(module).items()})
         self.reference = Reference(reference, config.model.vocab_size,
                                    2 * config.dpo.micro_batch_size, 1.0, offload=False)
 

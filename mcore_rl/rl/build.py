@@ -17,6 +17,7 @@ import torch.distributed as dist
 from mcore_rl.agents import (ChatFormat, EpisodeRunner, EpisodeSpec, environment_class,
                              function_tools, tool_schemas)
 from mcore_rl.algorithms import unregistered_names
+from mcore_rl.checkpoint.base_identity import base_identity
 from mcore_rl.config import ConfigError, InitConfig, JobConfig, validate_rl
 from mcore_rl.config.parallel import AUTO_ORDER
 from mcore_rl.conversion.export import hf_architecture
@@ -52,21 +53,20 @@ class Roles:
 
 
 def build_roles(config: JobConfig, device: torch.device) -> Roles:
-    """Actor (+ critic, + reference) with their starting weights from `config.init`."""
+    """Actor (+ critic, + reference) with their starting weights from `config.init`. An actor
+    with adapters is its own reference (adapters off): no second model is built."""
     precision, temperature = config.runtime.precision, config.rollout.sampling.temperature
-    policy = build_from_init(config.init, config.model, config.parallel, precision, "lm", device)
+    policy = build_from_init(config.init, config.model, config.parallel, precision, "lm", device,
+                             config.actor.lora, config.runtime.seed)
     reference = None
     if config.algorithm.needs_reference:
-        frozen = build_gpt_model(config.model, config.parallel, precision, "lm", device,
-                                 random_init=False)
-        with torch.no_grad():
-            for copy, original in zip(frozen.parameters(), policy.parameters(), strict=True):
-                copy.copy_(original)
+        frozen = policy if config.actor.lora.enabled else _copy_of(policy, config, device)
         reference = Reference(frozen, config.model.vocab_size, config.actor.micro_batch_size,
                               temperature, config.reference.offload,
                               config.actor.max_tokens_per_micro_batch, config.model,
                               config.rollout.routing_replay)
-    actor = Actor(make_trainable(policy, config.actor.optimizer, precision),
+    base = base_identity(config.init, config.runtime.seed) if config.actor.lora.enabled else None
+    actor = Actor(make_trainable(policy, config.actor.optimizer, precision, base),
                   config.model.vocab_size, config.actor.micro_batch_size, config.algorithm,
                   temperature, config.rollout.importance_correction(),
                   config.actor.max_tokens_per_micro_batch, config.model,
@@ -82,6 +82,16 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
     if config.reward.model_path:
         reward_model = build_reward_model(config, device)
     return Roles(actor, critic, reference, reward_model)
+
+
+def _copy_of(policy, config: JobConfig, device: torch.device):
+    """A second model stage holding the policy's starting weights."""
+    frozen = build_gpt_model(config.model, config.parallel, config.runtime.precision, "lm",
+                             device, random_init=False)
+    with torch.no_grad():
+        for copy, original in zip(frozen.parameters(), policy.parameters(), strict=True):
+            copy.copy_(original)
+    return frozen
 
 
 def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_scorer: bool

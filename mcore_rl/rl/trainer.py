@@ -280,14 +280,19 @@ class Trainer:
         self.evaluator.evaluators.append(evaluator)
 
     def export_hf(self, out_dir: str | None = None) -> str:
-        """The actor as an HF folder, by default output_dir/hf/step_<N> (collective)."""
+        """The actor as an HF folder, by default output_dir/hf/step_<N> (collective); with
+        adapters, merged, and the adapters alone as a peft adapter in its adapter/ folder."""
         from mcore_rl.conversion.export import export_actor_to_hf
-        from mcore_rl.models.weights import local_parameters
+        from mcore_rl.conversion.peft_adapter import ADAPTER_DIR
+        from mcore_rl.training.adapter_export import export_adapters
 
         out_dir = out_dir or os.path.join(self.config.runtime.output_dir, "hf",
                                           f"step_{self.step:08d}")
-        export_actor_to_hf(self.config, local_parameters(self.roles.actor.module),
+        export_actor_to_hf(self.config, self.roles.actor.parameters_for_sync(),
                            self.data.tokenizer, out_dir)
+        if self.config.actor.lora.enabled:
+            export_adapters(self.roles.actor.module, self.config, self.config.actor.lora,
+                            os.path.join(out_dir, ADAPTER_DIR))
         return out_dir
 
     # -- pieces of the step ------------------------------------------------------------------

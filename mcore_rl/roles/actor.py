@@ -9,7 +9,7 @@ from mcore_rl.config import AlgorithmConfig
 from mcore_rl.config.model import ModelConfig
 from mcore_rl.config.rl import ImportanceCorrection
 from mcore_rl.models.moe_routing import RoutingPass
-from mcore_rl.models.weights import local_parameters
+from mcore_rl.models.lora import served_parameters
 from mcore_rl.runtime.devices import collective_device
 from mcore_rl.training import TrainableModel, compute_outputs, train_step
 
@@ -45,8 +45,9 @@ class Actor:
         return self.trainable.chunks[0].module
 
     def parameters_for_sync(self) -> dict:
-        """Local parameters under canonical names, what the resharder reads."""
-        return local_parameters(self.module)
+        """Local parameters under canonical names as the engine serves them (adapters merged
+        into their weights), what the resharder reads."""
+        return served_parameters(self.module)
 
     def logprobs(self, batch: dict) -> dict:
         """{'logprobs', 'entropy'} [n, s] of the batch's tokens under the current policy. A

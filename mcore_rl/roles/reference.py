@@ -1,10 +1,17 @@
-"""The reference: the frozen starting policy the KL terms measure the actor against."""
+"""The reference: the frozen starting policy the KL terms measure the actor against.
+
+With adapters (LoRA) the starting policy is the actor's own frozen base: the reference runs the
+actor's module with its adapters off, so no second copy of the model exists.
+"""
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 
 from mcore_rl.config.model import ModelConfig
+from mcore_rl.models.lora import adapters_disabled, has_adapters
 from mcore_rl.training import compute_outputs
 
 from .actor import replaying_routes, scoring_inputs
@@ -16,11 +23,15 @@ class Reference:
     def __init__(self, module: torch.nn.Module, vocab_size: int, micro_batch_size: int,
                  temperature: float, offload: bool, max_tokens: int = 0,
                  model: ModelConfig | None = None, routing_replay: str = "none"):
-        """module: this rank's GPTModel stage holding the starting weights; max_tokens > 0:
-        token-budget micro-batches; model and routing_replay: as the actor's (a Mixture-of-
-        Experts reference replays the batch's routes too)."""
-        for param in module.parameters():
-            param.requires_grad_(False)
+        """module: this rank's GPTModel stage holding the starting weights, or the actor's own
+        stage when it has adapters (they are switched off for the reference's passes, and the
+        module is neither frozen nor parked here); max_tokens > 0: token-budget micro-batches;
+        model and routing_replay: as the actor's (a Mixture-of-Experts reference replays the
+        batch's routes too)."""
+        self.adapters_off = has_adapters(module)
+        if not self.adapters_off:
+            for param in module.parameters():
+                param.requires_grad_(False)
         self.module = module
         self.vocab_size = vocab_size
         self.micro_batch_size = micro_batch_size
@@ -29,7 +40,7 @@ class Reference:
         self.moe_model = model if model is not None and model.moe.enabled else None
         self.routing_replay = routing_replay
         self.device = next(module.parameters()).device
-        self.offload = offload and self.device.type != "cpu"
+        self.offload = offload and self.device.type != "cpu" and not self.adapters_off
         if self.offload:
             module.to("cpu")
 
@@ -40,10 +51,11 @@ class Reference:
             self.module.to(self.device)
         inputs = scoring_inputs(batch)
         routing = replaying_routes(self.moe_model, self.routing_replay, batch, inputs)
-        logprobs = compute_outputs([self.module], inputs,
-                                   micro_batch_size or self.micro_batch_size, "lm",
-                                   self.vocab_size, self.temperature,
-                                   self.max_tokens, routing)["logprobs"]
+        with adapters_disabled(self.module) if self.adapters_off else nullcontext():
+            logprobs = compute_outputs([self.module], inputs,
+                                       micro_batch_size or self.micro_batch_size, "lm",
+                                       self.vocab_size, self.temperature,
+                                       self.max_tokens, routing)["logprobs"]
         if self.offload:
             self.module.to("cpu")
         return logprobs

@@ -5,6 +5,7 @@ every rank.
     for epoch, step: train_step(this DP rank's share of the step's examples)
     after every epoch: loss on sft.val_files
     save output_dir/model: a weights checkpoint with the tokenizer, for init.checkpoint
+    (with sft.lora: the adapters merged, and output_dir/adapter: the adapters as a peft adapter)
 
 It goes through the RL training path unchanged (Megatron DDP, distributed optimizer, pipeline
 schedules, the global (numerator, denominator) loss of `train_step`), so the loss is the exact
@@ -20,13 +21,15 @@ import torch
 from mcore_rl.checkpoint.weights_io import megatron_coordinates, save_weights
 from mcore_rl.config import ConfigError, JobConfig
 from mcore_rl.conversion.export import hf_metadata, tokenizer_files
+from mcore_rl.conversion.peft_adapter import ADAPTER_DIR
 from mcore_rl.data import pad_id
 from mcore_rl.models.pretrained import build_from_init
-from mcore_rl.models.weights import local_parameters
+from mcore_rl.models.lora import served_parameters
 from mcore_rl.observability import METRICS_FILE
 from mcore_rl.observability.step_metrics import MetricsLogger
 from mcore_rl.runtime import print0
 from mcore_rl.training import compute_outputs, make_trainable, train_step
+from mcore_rl.training.adapter_export import export_adapters
 from mcore_rl.training.dataset_job import data_parallel_sums, run_epochs, start_dataset_job
 
 from .data import EncodedDemonstrations, load_demonstrations, make_batch
@@ -51,12 +54,15 @@ def run_sft(config: JobConfig) -> str:
                           f"{len(train.token_ids)} training examples")
     precision = config.runtime.precision
     module = build_from_init(config.init, config.model, config.parallel, precision, "lm",
-                             job.runtime.device)
+                             job.runtime.device, config.sft.lora, config.runtime.seed)
     trainable = make_trainable(module, config.sft.optimizer, precision)
     steps = _train(config, trainable, train, validation, job.logger, pad_id(tokenizer))
     model_dir = os.path.join(config.runtime.output_dir, MODEL_DIR)
-    save_weights(model_dir, local_parameters(module), config.model, megatron_coordinates(),
+    save_weights(model_dir, served_parameters(module), config.model, megatron_coordinates(),
                  extra_metadata=hf_metadata(config), tokenizer_files=tokenizer_files(tokenizer))
+    if config.sft.lora.enabled:
+        export_adapters(module, config, config.sft.lora,
+                        os.path.join(config.runtime.output_dir, ADAPTER_DIR))
     print0(f"sft: {steps} steps, weights and tokenizer in {model_dir}")
     job.close()
     return model_dir

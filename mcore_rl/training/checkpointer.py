@@ -244,16 +244,25 @@ def _has_state(optimizer) -> bool:
 def _role_state_dict(model, is_loading: bool, with_optimizer: bool) -> dict:
     """{"model", "optimizer", "scheduler"} of one trained role, as ShardedTensors/objects.
     Without `with_optimizer` (no step taken yet: a fresh optimizer is the right state) the
-    optimizer is left out."""
+    optimizer is left out. A model that trains adapters (model.base set) keeps its trained
+    parameters only: its frozen base is the one `init` names, checked against the marker."""
     if len(model.chunks) != 1:
         raise NotImplementedError("training-state checkpoints support one model chunk per rank "
                                   f"(no virtual pipeline stages), got {len(model.chunks)}")
-    model_state = _model_sharded_state_dict(model.chunks[0].module)
+    module = model.chunks[0].module
+    model_state = _model_sharded_state_dict(module)
+    if model.base is not None:
+        model_state = {key: value for key, value in model_state.items()
+                       if key in _trained_names(module)}
     state = {"model": model_state, "scheduler": model.scheduler.state_dict()}
     if with_optimizer:
         state["optimizer"] = model.optimizer.sharded_state_dict(
             model_state, is_loading=is_loading, metadata=_sharding_metadata())
     return state
+
+
+def _trained_names(module) -> set[str]:
+    return {name for name, param in module.named_parameters() if param.requires_grad}
 
 
 def _save_role(directory: str, model, with_optimizer: bool) -> None:
@@ -273,7 +282,11 @@ def _load_role(directory: str, model, with_optimizer: bool) -> None:
     if with_optimizer:
         _allocate_state_for_loading(model.optimizer)
     loaded = dist_checkpointing.load(_role_state_dict(model, True, with_optimizer), directory)
-    model.chunks[0].module.load_state_dict(loaded["model"], strict=True)
+    module = model.chunks[0].module
+    if model.base is None:
+        module.load_state_dict(loaded["model"], strict=True)
+    elif module.load_state_dict(loaded["model"], strict=False).unexpected_keys:
+        raise ValueError(f"{directory}: holds tensors the model does not have")
     if with_optimizer:
         model.optimizer.load_state_dict(loaded["optimizer"])
         _restore_steps(model.optimizer, loaded["optimizer"])
@@ -397,9 +410,11 @@ def save_training_state(root: str, step: int, models: dict[str, TrainableModel],
                        lambda handle: handle.write(config_yaml.encode()))
     _barrier()
     if _rank() == 0:
-        _publish(staging, final, {"format_version": FORMAT_VERSION, "step": step,
-                                  "roles": roles, "optimizer_state": with_optimizer,
-                                  "layout": _layout()})
+        marker = {"format_version": FORMAT_VERSION, "step": step, "roles": roles,
+                  "optimizer_state": with_optimizer, "layout": _layout()}
+        if _bases(models):
+            marker["bases"] = _bases(models)
+        _publish(staging, final, marker)
         _prune(root, keep_last)
     _barrier()
     return final
@@ -415,10 +430,28 @@ def read_marker(path: str) -> dict:
     return marker
 
 
-def compatibility_problems(path: str, marker: dict, roles: list[str], layout: dict) -> list[str]:
-    """Why the checkpoint at `path` cannot be loaded into these roles at this layout."""
+def _bases(models: dict) -> dict:
+    """The frozen base of each role that trains adapters."""
+    return {role: models[role].base for role in sorted(models) if models[role].base is not None}
+
+
+def compatibility_problems(path: str, marker: dict, roles: list[str], layout: dict,
+                           bases: dict | None = None) -> list[str]:
+    """Why the checkpoint at `path` cannot be loaded into these roles at this layout (and, for
+    roles that train adapters, onto these frozen bases)."""
     name = os.path.basename(path)
     problems = []
+    saved_bases = marker.get("bases", {})
+    for role in sorted(set(saved_bases) | set(bases or {})):
+        saved, ours = saved_bases.get(role), (bases or {}).get(role)
+        if saved is None or ours is None:
+            problems.append(f"{name}: its {role} trains {'adapters' if saved else 'every weight'}"
+                            f", this job's {'adapters' if ours else 'every weight'}")
+        elif saved["fingerprint"] != ours["fingerprint"]:
+            problems.append(f"{name}: its {role} adapters were trained on the base "
+                            f"{saved['source']} (fingerprint {saved['fingerprint'][:12]}), this "
+                            f"job's base is {ours['source']} (fingerprint "
+                            f"{ours['fingerprint'][:12]}): adapters load only onto their base")
     if marker["roles"] != roles:
         problems.append(f"{name}: has roles {marker['roles']}, the trainer has {roles}")
     if marker["layout"] != layout:
@@ -447,7 +480,8 @@ def load_latest_training_state(root: str, models: dict[str, TrainableModel]
     if path is None:
         return None
     marker = read_marker(path)
-    _raise_together(compatibility_problems(path, marker, sorted(models), _layout()))
+    _raise_together(compatibility_problems(path, marker, sorted(models), _layout(),
+                                           _bases(models)))
     for role in sorted(models):
         _load_role(os.path.join(path, role), models[role], marker["optimizer_state"][role])
     state = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)

@@ -10,6 +10,7 @@ finalize_model_grads, which also all-reduces tied-embedding grads between first 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..config import OptimizerConfig
 from ..config.runtime import resolve_precision
@@ -28,6 +29,11 @@ class TrainableModel:
 
     scheduler: object
     """Megatron OptimizerParamScheduler driving the LR."""
+
+    base: Optional[dict] = None
+    """With adapters: the identity of the frozen base they train on
+    (checkpoint.base_identity), which a training-state checkpoint records and a resume checks;
+    None: every weight trains."""
 
 
 def inner_optimizers(optimizer) -> list:
@@ -91,8 +97,10 @@ def build_scheduler(optimizer, optim: OptimizerConfig):
     )
 
 
-def make_trainable(model, optim: OptimizerConfig, precision: str) -> TrainableModel:
-    """Wrap, build the optimizer and schedule, and install the schedule hooks on the config."""
+def make_trainable(model, optim: OptimizerConfig, precision: str,
+                   base: Optional[dict] = None) -> TrainableModel:
+    """Wrap, build the optimizer and schedule, and install the schedule hooks on the config.
+    base: the frozen base's identity when the model trains adapters (TrainableModel.base)."""
     from megatron.core.distributed import finalize_model_grads
 
     chunk = wrap_in_ddp(model, optim.use_distributed_optimizer)
@@ -102,5 +110,5 @@ def make_trainable(model, optim: OptimizerConfig, precision: str) -> TrainableMo
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return TrainableModel(chunks=[chunk], optimizer=optimizer,
-                          scheduler=build_scheduler(optimizer, optim))
+                          scheduler=build_scheduler(optimizer, optim), base=base)
 
