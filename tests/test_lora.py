@@ -146,3 +146,45 @@ def test_served_weights_are_peft_merge(parity, layout):
     for name, tensor in served.items():
         want = architecture.to_canonical(name, merged, model)
         assert (tensor - want).abs().max().item() <= TOLERANCE, name
+
+
+def test_bad_adapter_settings_are_refused_naming_the_field():
+    from mcore_rl.config import ConfigError, load_config, validate_rl
+    from mcore_rl.config.job import validate_sft
+
+    config = load_config(None, ["actor.lora.enabled=true", "actor.lora.rank=0",
+                                "actor.lora.target_modules=[q_proj,qkv_proj]"])
+    with pytest.raises(ConfigError) as error:
+        validate_rl(config, 1)
+    assert "actor.lora.rank=0 must be > 0" in str(error.value)
+    assert "actor.lora.target_modules: ['qkv_proj'] are not linears" in str(error.value)
+    moe = load_config(None, ["sft.lora.enabled=true", "model.moe.num_experts=4",
+                             "sft.train_files=[a.jsonl]", "sft.batch_size=4",
+                             "sft.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match=r"sft.lora.enabled: adapters on a Mixture-of-Experts"):
+        validate_sft(moe, 1)
+    assert LoraConfig(target_modules=("q_proj", "down_proj")).megatron_targets() == (
+        "linear_qkv", "linear_fc2")
+    assert LoraConfig(target_modules=("all-linear",)).megatron_targets() == (
+        "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def test_adapters_resume_only_onto_their_base(tmp_path):
+    from mcore_rl.checkpoint.base_identity import base_identity
+    from mcore_rl.config import InitConfig
+    from mcore_rl.training.checkpointer import compatibility_problems
+
+    first, second = tmp_path / "base_a", tmp_path / "base_b"
+    for folder, value in ((first, 1.0), (second, 2.0)):
+        folder.mkdir()
+        torch.save(torch.full((4,), value), folder / "weights.pt")
+    layout = {"world_size": 1}
+    trained_on = base_identity(InitConfig(hf_path=str(first)), 0)
+    marker = {"roles": ["actor"], "layout": layout, "bases": {"actor": trained_on}}
+    path = str(tmp_path / "step_00000002")
+    assert compatibility_problems(path, marker, ["actor"], layout, {"actor": trained_on}) == []
+    other = base_identity(InitConfig(hf_path=str(second)), 0)
+    [problem] = compatibility_problems(path, marker, ["actor"], layout, {"actor": other})
+    assert f"trained on the base {first}" in problem and f"this job's base is {second}" in problem
+    [problem] = compatibility_problems(path, marker, ["actor"], layout, {})
+    assert problem == "step_00000002: its actor trains adapters, this job's every weight"

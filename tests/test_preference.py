@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_models import write_tiny_qwen3_moe
+from lora_reference import assert_same_adapter, lora_overrides, peft_policy
 
 from mcore_rl.config.preference import DpoConfig, RmConfig
 from mcore_rl.data.records import DataError
@@ -144,10 +145,12 @@ def reward_model_reference(hf_init, tokenizer, margin, l2):
     return adam_steps(model, loss_of), loss_of(model)[0].item(), model
 
 
-def dpo_reference(hf_init, tokenizer, beta, loss_type, smoothing):
+def dpo_reference(hf_init, tokenizer, beta, loss_type, smoothing, lora=False):
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(hf_init, torch_dtype=torch.float32)
+    if lora:
+        policy = peft_policy(policy)
     reference = AutoModelForCausalLM.from_pretrained(hf_init, torch_dtype=torch.float32)
     pairs = sequences(tokenizer)
 
@@ -214,6 +217,9 @@ def trained(tmp_path_factory):
                         f"runtime.output_dir={root / 'dpo'}"), free_port()),
             ("dpo", job("dpo", pp2, "dpo.loss_type=ipo", "dpo.beta=0.5",
                         f"runtime.output_dir={root / 'ipo'}"), free_port()),
+            ("dpo", job("dpo", tp2, "dpo.beta=0.5", "dpo.label_smoothing=0.1",
+                        *lora_overrides("dpo"), f"runtime.output_dir={root / 'lora_dpo'}"),
+             free_port()),
             ("rm", job("rm", "parallel.expert_model_parallel_size=2", "rm.margin=0.5",
                        "rm.reward_l2=0.05", f"runtime.output_dir={root / 'moe_rm'}",
                        init=moe_init), free_port()),
@@ -265,15 +271,19 @@ def test_reward_model_matches_transformers_at_tp2_dp2(trained, tokenizer):
 
 @pytest.mark.parametrize("name, loss_type, smoothing", [("dpo", "sigmoid", 0.1),
                                                         ("ipo", "ipo", 0.0),
-                                                        ("moe_dpo", "sigmoid", 0.1)])
+                                                        ("moe_dpo", "sigmoid", 0.1),
+                                                        ("lora_dpo", "sigmoid", 0.1)])
 def test_dpo_matches_transformers(trained, tokenizer, name, loss_type, smoothing):
     """dpo: TP2 x DP2, cDPO label smoothing; ipo: PP2 x DP2, length-normalised log-ratios;
-    moe_dpo: a Qwen3-MoE with its experts split over 2 of the 4 data-parallel ranks (EP2)."""
+    moe_dpo: a Qwen3-MoE with its experts split over 2 of the 4 data-parallel ranks (EP2);
+    lora_dpo: adapters (dpo.lora) at TP2 x DP2 against peft's, the reference being the policy
+    with its adapters off."""
     from transformers import AutoModelForCausalLM
 
     root, hf_init, moe_init = trained
     init = moe_init if name.startswith("moe") else hf_init
-    steps, final_loss, policy = dpo_reference(init, tokenizer, 0.5, loss_type, smoothing)
+    steps, final_loss, policy = dpo_reference(init, tokenizer, 0.5, loss_type, smoothing,
+                                              lora=name.startswith("lora"))
     logged = logged_lines(root / name)
     assert [line["dpo/loss"] for line in logged] == pytest.approx([s[0] for s in steps],
                                                                   rel=1e-5)
@@ -283,4 +293,7 @@ def test_dpo_matches_transformers(trained, tokenizer, name, loss_type, smoothing
     assert logged[1]["dpo/rewards/margin"] > 0.01  # the step moved the policy
     evaluated = logged_lines(root / name, "eval.jsonl")[-1]
     assert evaluated["dpo/val_loss"] == pytest.approx(final_loss, rel=1e-5)
+    if name.startswith("lora"):
+        assert_same_adapter(root / name / "hf" / "adapter", policy, hf_init)
+        policy = policy.merge_and_unload()
     assert_same_weights(root / name / "hf", policy, AutoModelForCausalLM)

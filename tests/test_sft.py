@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_models import write_tiny_qwen3_moe
+from lora_reference import assert_same_adapter, lora_overrides, peft_policy
 
 from mcore_rl.config.sft import SftConfig
 from mcore_rl.data.records import DataError
@@ -100,13 +101,16 @@ def test_config_rules_name_the_field():
     assert SftConfig(train_files=["a.jsonl"], batch_size=8, micro_batch_size=4).errors(2) == []
 
 
-def hf_reference(hf_folder, tokenizer, lr, eps, steps):
+def hf_reference(hf_folder, tokenizer, lr, eps, steps, lora=False):
     """HF transformers + torch Adam on all demonstrations per step: token-mean NLL of the
     response tokens and <eos>. Returns the losses before each step, the gradient norms and the
-    final weights."""
+    final weights (lora: of peft's adapters on the model, `lora_reference.peft_policy`; then
+    the model is returned, not its weights)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_folder, torch_dtype=torch.float32)
+    if lora:
+        model = peft_policy(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps)
     losses, grad_norms = [], []
     for _ in range(steps):
@@ -115,9 +119,10 @@ def hf_reference(hf_folder, tokenizer, lr, eps, steps):
         optimizer.zero_grad()
         loss.backward()
         grad_norms.append(torch.sqrt(sum(p.grad.double().square().sum()
-                                         for p in model.parameters())).item())
+                                         for p in model.parameters()
+                                         if p.grad is not None)).item())
         optimizer.step()
-    return losses, grad_norms, model.state_dict()
+    return losses, grad_norms, model if lora else model.state_dict()
 
 
 def response_nll(model, tokenizer, demonstrations) -> torch.Tensor:
@@ -194,6 +199,34 @@ def test_sft_command_matches_hf_with_torch_adam_at_tp2_dp2(tmp_path, tokenizer):
                            env=dict(os.environ, MASTER_PORT="29572"))
     assert again.returncode == 2, again.stderr[-2000:]
     assert f"runtime.output_dir={out} already holds an SFT run" in again.stderr
+
+
+def test_sft_with_lora_matches_peft_at_pp2(tmp_path, tokenizer):
+    """`mcore-rl sft` with sft.lora at PP2 against peft's adapters trained by torch Adam: the
+    losses, gradient norms, the exported adapter, and the merged weights it saves."""
+    from mcore_rl.quickstart.tiny_model import write_tiny_llama
+
+    hf_init = write_tiny_llama(str(tmp_path / "hf_init"), VOCABULARY, seed=3)
+    demos = write_rows(tmp_path / "demos.jsonl",
+                       [{"prompt": p, "response": r} for p, r in DEMONSTRATIONS])
+    lr, eps, steps = 1e-2, 1e-5, 2
+    out = tmp_path / "sft"
+    done = run("sft", f"init.hf_path={hf_init}", f"sft.train_files=[{demos}]",
+               f"sft.epochs={steps}", f"sft.batch_size={len(DEMONSTRATIONS)}",
+               "sft.micro_batch_size=2", f"sft.optimizer.lr={lr}",
+               f"sft.optimizer.adam_eps={eps}", "sft.optimizer.clip_grad=0", "sft.max_length=32",
+               *lora_overrides("sft"), "parallel.pipeline_model_parallel_size=2",
+               f"runtime.output_dir={out}", ranks=2, port=29573)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses, grad_norms, policy = hf_reference(hf_init, tokenizer, lr, eps, steps, lora=True)
+    logged = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [line["sft/loss"] for line in logged] == pytest.approx(losses, rel=1e-5)
+    assert [line["sft/grad_norm"] for line in logged] == pytest.approx(grad_norms, rel=1e-4)
+    assert losses[1] < losses[0]
+    assert_same_adapter(out / "adapter", policy, hf_init)
+    merged = policy.merge_and_unload().state_dict()
+    for name, tensor in exported_to_hf(out / "model", tmp_path / "hf_out").state_dict().items():
+        assert torch.allclose(tensor, merged[name], atol=1e-5), name
 
 
 def hf_loss(hf_folder, state_dict, tokenizer, demonstrations) -> float:

@@ -225,12 +225,17 @@ def initialize_adapters(module: torch.nn.Module, model: ModelConfig, seed: int) 
         a_name = sharding.to_global_name(f"{name}.lora_a", pp_rank, model, pp_size)
         in_features = linear.lora_a.shape[1] * (tp_size if linear.adapter_split == "lora_a"
                                                 else 1)
-        generator = torch.Generator().manual_seed(_name_seed(seed, a_name))
-        bound = 1 / math.sqrt(in_features)
-        full = torch.empty(linear.lora_a.shape[0], in_features).uniform_(-bound, bound,
-                                                                          generator=generator)
+        full = initial_lora_a(a_name, linear.lora_a.shape[0], in_features, seed)
         linear.lora_a.copy_(sharding.split_adapter(a_name, full, tp_size, tp_rank))
         linear.lora_b.zero_()
+
+
+def initial_lora_a(name: str, rank: int, in_features: int, seed: int) -> torch.Tensor:
+    """The full starting A of adapter matrix `name` (global name): peft's Kaiming-uniform
+    (a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)), from a generator seeded by `seed` and the name."""
+    generator = torch.Generator().manual_seed(_name_seed(seed, name))
+    bound = 1 / math.sqrt(in_features)
+    return torch.empty(rank, in_features).uniform_(-bound, bound, generator=generator)
 
 
 def _name_seed(seed: int, name: str) -> int:
