@@ -93,10 +93,17 @@ VARIANTS = {
                   "actor": {"max_tokens_per_micro_batch": TOKEN_BUDGET}},
     "ours-best-megatron-engine": {"rollout": {"old_logprobs": "engine", "engine": "megatron"},
                                   "actor": {"max_tokens_per_micro_batch": TOKEN_BUDGET}},
+    "ours-lora8": {"actor": {"lora": {"enabled": True, "rank": 8, "alpha": 16}}},
+    "ours-lora16": {"actor": {"lora": {"enabled": True, "rank": 16, "alpha": 32}}},
+    "ours-best-lora16": {"rollout": {"old_logprobs": "engine"},
+                         "actor": {"max_tokens_per_micro_batch": TOKEN_BUDGET,
+                                   "lora": {"enabled": True, "rank": 16, "alpha": 32}}},
 }
 """mcore_rl sides: a name and the config sections it changes (`--sides ours,ours-engine-logp`
 measures one change alone, before/after in one run; ours-best is every change together;
-ours-best-megatron-engine generates with the trainer's own model instead of vLLM)."""
+ours-best-megatron-engine generates with the trainer's own model instead of vLLM; the lora
+sides train adapters of that rank on every linear (actor.lora, alpha = 2 x rank), with
+--lora-lr as their learning rate where the regime trains)."""
 
 REGIMES = {
     "learn": {"prompts_per_step": 16, "n": 8, "max_new_tokens": 4, "learns": True},
@@ -253,6 +260,8 @@ def run_ours(regime: str, seed: int, out_dir: str, args, variant: str = "ours") 
     }
     for section, values in VARIANTS[variant].items():
         config[section].update(values)
+    if "lora" in config["actor"] and s["lr"]:
+        config["actor"]["optimizer"]["lr"] = args.lora_lr
     config_path = out_dir + ".yaml"
     with open(config_path, "w") as handle:
         json.dump(config, handle, indent=1)  # JSON is YAML
@@ -267,6 +276,7 @@ def run_ours(regime: str, seed: int, out_dir: str, args, variant: str = "ours") 
     evals = _read_jsonl(os.path.join(out_dir, "eval.jsonl"))
     result = {"wall": wall, "cpu": cpu,
               "startup": steps[0]["wall_time"] - steps[0]["time/step"] - t0,
+              "peak_mb": max(step.get("memory/peak_resident_mb", 0.0) for step in steps),
               "steps": [], "evals": []}
     for step in steps:
         phases = {name[5:]: value for name, value in step.items()
@@ -345,7 +355,8 @@ def summarize(result: dict, threshold: float) -> dict:
                "cpu": result.get("cpu"),
                "tokens_per_s": sum(s["tokens"] for s in timed) / sum(s["seconds"] for s in timed),
                "tokens_per_step": statistics.mean(s["tokens"] for s in steps),
-               "startup": result["startup"], "wall": result["wall"]}
+               "startup": result["startup"], "wall": result["wall"],
+               "peak_mb": result.get("peak_mb")}
     reached = next((e for e in result["evals"] if e["accuracy"] >= threshold), None)
     if result["evals"]:
         timed_evals = [e["seconds"] for e in result["evals"] if e.get("seconds") is not None
@@ -381,7 +392,7 @@ def print_tables(records: list, args, parameters: int) -> None:
         if s["eval_every"]:
             header += (f"{'acc>=' + format(args.threshold, 'g') + ' @step':>15}"
                        f"{'train s':>9}{'wall s':>8}{'last acc':>9}{'eval s':>8}")
-        header += f"{'run s':>7}{'CPU s':>7}{'load before/after':>19}"
+        header += f"{'run s':>7}{'CPU s':>7}{'peak MB':>8}{'load before/after':>19}"
         print(header)
         sides = [side for side in (*TRL_SIDES, *VARIANTS) if any(x["side"] == side for x in rows)]
         for record in rows:
@@ -397,6 +408,7 @@ def print_tables(records: list, args, parameters: int) -> None:
                          f"{_fmt(summary.get('final_accuracy'), 3):>9}"
                          f"{_fmt(summary.get('eval_s'), 2):>8}")
             line += (f"{summary['wall']:>7.0f}{_fmt(summary.get('cpu'), 0):>7}"
+                     f"{_fmt(summary.get('peak_mb'), 0):>8}"
                      f"{record['load'][0]:>10.2f}/{record['load'][1]:.2f}")
             print(line)
         by_side = {side: [x["summary"] for x in rows if x["side"] == side] for side in sides}
@@ -466,6 +478,8 @@ def main() -> None:
                         help="held-out greedy accuracy both sides must reach")
     parser.add_argument("--lr", type=float, default=1e-3, help="learn regime's learning rate")
     parser.add_argument("--beta", type=float, default=0.001, help="KL loss coefficient (k3)")
+    parser.add_argument("--lora-lr", type=float, default=1e-4,
+                        help="learning rate of the lora sides where the regime trains")
     parser.add_argument("--clip", type=float, default=0.2)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)

@@ -10,15 +10,17 @@ the same parameters and Adam moves them the same way."""
 LORA_RANK, LORA_ALPHA, SEED = 4, 8.0, 1234
 
 
-def peft_policy(model):
+def peft_policy(model, modules_to_save=None):
     """peft adapters on `model` starting where the Megatron job's start (A as
-    models/lora.initial_lora_a draws it for runtime.seed, B = 0)."""
+    models/lora.initial_lora_a draws it for runtime.seed, B = 0); modules_to_save train whole
+    (a reward model's score head)."""
     from peft import LoraConfig, get_peft_model
 
     from mcore_rl.models.lora import initial_lora_a
 
     model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA,
-                                             lora_dropout=0.0, target_modules=list(LORA_TARGETS)))
+                                             lora_dropout=0.0, target_modules=list(LORA_TARGETS),
+                                             modules_to_save=modules_to_save))
     with torch.no_grad():
         for index, layer in enumerate(model.base_model.model.model.layers):
             for hf_name, megatron_name in LORA_TARGETS.items():

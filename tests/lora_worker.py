@@ -85,6 +85,8 @@ def run_lora_parity(hf_dir: str, lora: LoraConfig, adapters: dict, layouts: list
         results[(tp, pp)] = {"logprobs": _gather_to_rank0(outputs["logprobs"]),
                              "base_logprobs": _gather_to_rank0(base["logprobs"]),
                              "loss": metrics["loss"], "grads": grads, "trained": trained,
+                             "adapter_elements": sum(p.numel() for p in
+                                                     adapter_tensors(module).values()),
                              "served": _served_weights(module, model, tp)}
     if dist.get_rank() == 0:
         torch.save(results, out_path)

@@ -130,6 +130,9 @@ def test_lora_matches_peft(parity, layout):
         print(f"gradient of {name}: max {want.abs().max().item():.2e}, difference {difference:.1e}")
         assert difference <= TOLERANCE * max(1.0, want.abs().max().item()), name
     assert all(".lora_" in name for name in got["trained"]) and got["trained"]
+    if layout == (1, 1):  # the memory plan counts what the model holds
+        from mcore_rl.training.memory_plan import adapter_parameters
+        assert got["adapter_elements"] == adapter_parameters(model, LORA)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"TP{l[0]}PP{l[1]}")

@@ -124,13 +124,15 @@ def adam_steps(model, loss_of, steps=STEPS):
     return logged
 
 
-def reward_model_reference(hf_init, tokenizer, margin, l2):
+def reward_model_reference(hf_init, tokenizer, margin, l2, lora=False):
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(hf_init, num_labels=1,
                                                                torch_dtype=torch.float32)
     with torch.no_grad():
         model.score.weight.zero_()  # the Megatron scalar head starts at zero
+    if lora:
+        model = peft_policy(model, modules_to_save=["score"])
     pairs = sequences(tokenizer)
 
     def loss_of(model):
@@ -220,6 +222,8 @@ def trained(tmp_path_factory):
             ("dpo", job("dpo", tp2, "dpo.beta=0.5", "dpo.label_smoothing=0.1",
                         *lora_overrides("dpo"), f"runtime.output_dir={root / 'lora_dpo'}"),
              free_port()),
+            ("rm", job("rm", tp2, "rm.margin=0.5", "rm.reward_l2=0.05", *lora_overrides("rm"),
+                       f"runtime.output_dir={root / 'lora_rm'}"), free_port()),
             ("rm", job("rm", "parallel.expert_model_parallel_size=2", "rm.margin=0.5",
                        "rm.reward_l2=0.05", f"runtime.output_dir={root / 'moe_rm'}",
                        init=moe_init), free_port()),
@@ -230,11 +234,14 @@ def trained(tmp_path_factory):
     return root, hf_init, moe_init
 
 
-def assert_reward_model_matches(folder, hf_init, tokenizer) -> None:
-    """The RM job in `folder` against transformers' classifier trained by torch Adam."""
+def assert_reward_model_matches(folder, hf_init, tokenizer, lora=False) -> None:
+    """The RM job in `folder` against transformers' classifier trained by torch Adam (lora:
+    peft's adapters and a whole score head; the job exports them merged)."""
     from transformers import AutoModelForSequenceClassification
 
-    steps, final_loss, reference = reward_model_reference(hf_init, tokenizer, 0.5, 0.05)
+    steps, final_loss, reference = reward_model_reference(hf_init, tokenizer, 0.5, 0.05, lora)
+    if lora:
+        reference = reference.merge_and_unload()
     logged = logged_lines(folder)
     assert [line["rm/loss"] for line in logged] == pytest.approx([s[0] for s in steps], rel=1e-5)
     assert logged[1]["rm/margin"] == pytest.approx(steps[1][1]["margin"], rel=1e-4)
@@ -242,6 +249,13 @@ def assert_reward_model_matches(folder, hf_init, tokenizer) -> None:
     evaluated = logged_lines(folder, "eval.jsonl")[-1]
     assert evaluated["rm/val_loss"] == pytest.approx(final_loss, rel=1e-5)
     assert_same_weights(folder / "hf", reference, AutoModelForSequenceClassification)
+
+
+def test_reward_model_with_lora_matches_peft(trained, tokenizer):
+    """rm.lora at TP2 x DP2: adapters and a whole scalar head, against peft's (modules_to_save
+    the score head) trained by torch Adam."""
+    root, hf_init, _ = trained
+    assert_reward_model_matches(root / "lora_rm", hf_init, tokenizer, lora=True)
 
 
 def test_moe_reward_model_with_experts_split_matches_transformers(trained, tokenizer):

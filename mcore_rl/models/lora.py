@@ -12,8 +12,8 @@ They are sharded like the linear, so no rank ever holds a weight-sized adapter p
   whole; A's partial products are all-reduced before B (and scattered back to the sequence
   shards under sequence parallelism).
 
-The base weights are frozen, so Megatron's DDP and optimizer (distributed or not) see the
-adapters only. Adapter parameters are named `<linear>.lora_a` / `.lora_b`
+The model's other parameters are frozen (models/build.py), so Megatron's DDP and optimizer
+(distributed or not) see the adapters only. Adapter parameters are named `<linear>.lora_a` / `.lora_b`
 (param_layout/sharding.py knows their split). A starts as peft's (Kaiming-uniform, bound
 1/sqrt(in)) drawn from a generator seeded by the run's seed and the adapter's global name, so
 every layout starts from the same adapters; B starts at zero.
@@ -22,6 +22,7 @@ every layout starts from the same adapters; B starts at zero.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 
@@ -53,8 +54,6 @@ class _Adapted:
         self.lora_scaling = lora.scaling
         self.adapter_enabled = True
         self.lora_dropout = torch.nn.Dropout(lora.dropout) if lora.dropout else None
-        for param in self.parameters():
-            param.requires_grad_(False)
         self.lora_a = _adapter_parameter(*a_shape, self.weight)
         self.lora_b = _adapter_parameter(*b_shape, self.weight)
         split = self.lora_b if self.adapter_split == "lora_b" else self.lora_a
@@ -78,6 +77,7 @@ class _Adapted:
             dp_cp_group=metadata["dp_cp_group"])
 
 
+@functools.cache
 def _column_class():
     ColumnParallelLinear, _ = _parallel_linears()
 
@@ -104,6 +104,8 @@ def _column_class():
             if self.sequence_parallel:
                 x = mappings.gather_from_sequence_parallel_region(
                     x, tensor_parallel_output_grad=False, group=self.tp_group)
+            # The default generator, seeded alike on every TP rank: A's replicated input gets
+            # the same mask everywhere.
             inner = F.linear(self._dropped(x), self.lora_a)
             inner = mappings.copy_to_tensor_model_parallel_region(inner, group=self.tp_group)
             return output + self.lora_scaling * F.linear(inner, self.lora_b), bias
@@ -116,6 +118,7 @@ def _column_class():
     return LoraColumnParallelLinear
 
 
+@functools.cache
 def _row_class():
     _, RowParallelLinear = _parallel_linears()
 
@@ -139,8 +142,10 @@ def _row_class():
             from megatron.core import tensor_parallel
             from megatron.core.tensor_parallel import mappings
 
-            with tensor_parallel.get_cuda_rng_tracker().fork():  # masks differ per TP shard
-                dropped = self._dropped(input_)
+            dropped = input_
+            if self.lora_dropout is not None:
+                with tensor_parallel.get_cuda_rng_tracker().fork():  # masks differ per shard
+                    dropped = self.lora_dropout(input_)
             inner = mappings.reduce_from_tensor_model_parallel_region(
                 F.linear(dropped, self.lora_a), group=self.tp_group)
             delta = self.lora_scaling * F.linear(inner, self.lora_b)
