@@ -1,7 +1,9 @@
-"""RL with adapters (actor.lora) through vLLM, DP2: the reference is the actor with adapters off
-(no second model; KL 0 before training), the engine serves the merged weights, a checkpoint
-holds the adapters only and resumes bitwise, and the export's peft adapter loads onto the base
-HF model with logits equal to the merged export and to the Megatron actor.
+"""RL with adapters (actor.lora) through vLLM, trained at TP2 with an engine per rank (rollout
+TP1): the reference is the actor with adapters off (no second model; KL 0 before training),
+each engine gets the merged weights through the resharder (bytes at the lower bound, log-probs
+equal to the trainer's), a checkpoint holds the adapters only and resumes bitwise, and the
+export's peft adapter loads onto the base HF model with logits equal to the merged export and
+to the Megatron actor.
 """
 
 import os
@@ -40,7 +42,8 @@ def overrides(base: str, tokenizer: str, output_dir) -> list[str]:
             "actor.optimizer.lr=2e-2", "algorithm.use_kl_loss=true", "algorithm.kl_coef=0.05",
             f"init.hf_path={base}", "model.head_dim=64", f"data.tokenizer={tokenizer}",
             f"runtime.output_dir={output_dir}", f"trainer.total_steps={STEPS}",
-            f"trainer.save_every={SAVED_AT}", "trainer.keep_last=2", "trainer.eval_every=0"]
+            f"trainer.save_every={SAVED_AT}", "trainer.keep_last=2", "trainer.eval_every=0",
+            "parallel.tensor_model_parallel_size=2", "rollout.rollout_tp=1"]
 
 
 def comparable(metrics: dict) -> dict:
@@ -72,6 +75,15 @@ def test_reference_is_the_actor_without_adapters(runs):
     assert full["reference_is_actor"]
     assert full["before"]["eval/kl_to_reference"] == 0.0
     assert full["history"][-1]["actor/kl_loss"] > 0  # the adapters moved the policy
+
+
+def test_engines_generate_with_the_merged_weights(runs):
+    """After the first update the adapters are not zero: an engine still on the base (or on
+    wrongly merged weights) would score its samples far from the trainer."""
+    _, _, full, _ = runs
+    for metrics in full["history"]:
+        assert metrics["rollout/logprob_abs_diff_max"] <= 1e-4
+        assert metrics["reshard/bytes_received_max"] == metrics["reshard/lower_bound_bytes"] > 0
 
 
 def test_adapter_checkpoint_resumes_bitwise(runs):
