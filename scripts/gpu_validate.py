@@ -239,7 +239,7 @@ def rl(args, check: Checks) -> dict:
     check(all(math.isfinite(step["actor/loss"]) for step in history), "losses are finite")
     check(len(history) == 2, f"2 steps ran ({len(history)})")
     return {"engine": trainer.config.rollout.engine,
-            "precision": trainer.config.runtime.precision,
+            "precision": trainer.config.runtime.precision, "peak_mb": _peak_mb(history),
             "step_seconds": [round(step["time/step"], 3) for step in history],
             "reward": [round(step["reward/mean"], 3) for step in history]}
 
@@ -296,6 +296,34 @@ def moe(args, check: Checks) -> dict:
     return figures
 
 
+def lora(args, check: Checks) -> dict:
+    """Three GRPO steps with adapters (actor.lora) and a KL loss: the adapted linears, the
+    reference as the actor with adapters off, the merged weight sync and the peft export on the
+    device; peak memory beside the `rl` stage's full fine-tuning."""
+    overrides = [f"runtime.output_dir={args.workdir}/lora", "trainer.save_every=0",
+                 "actor.lora.enabled=true", "actor.lora.rank=8", "algorithm.use_kl_loss=true",
+                 "algorithm.kl_coef=0.01"]
+    trainer = _toy_trainer(args, 3, extra=overrides)
+    history = trainer.fit()
+    exported = trainer.export_hf()
+    trainer.close()
+    check(len(history) == 3 and all(math.isfinite(step["actor/loss"]) for step in history),
+          "three finite steps")
+    check(history[0]["actor/kl_to_reference"] == 0.0,
+          "the reference is the starting policy (adapters start at B = 0)")
+    check(history[-1]["actor/kl_to_reference"] > 0, "the adapters moved the policy")
+    check(os.path.isfile(os.path.join(exported, "adapter", "adapter_model.safetensors")),
+          "the export holds a peft adapter")
+    return {"engine": trainer.config.rollout.engine, "peak_mb": _peak_mb(history),
+            "step_seconds": [round(step["time/step"], 3) for step in history]}
+
+
+def _peak_mb(history: list[dict]) -> float:
+    """The run's peak memory figure (device memory on GPUs, resident memory on CPU)."""
+    return round(max(value for step in history for name, value in step.items()
+                     if name.startswith("memory/peak_")), 1)
+
+
 def _toy_trainer(args, total_steps: int, config: str = "grpo_toy.yaml",
                  extra: list[str] = ()):
 
@@ -318,7 +346,8 @@ def _toy_trainer(args, total_steps: int, config: str = "grpo_toy.yaml",
 
 
 STAGES = {"preflight": preflight, "smoke": smoke, "performance": performance,
-          "offload": offload, "parity": parity, "rl": rl, "resume": resume, "moe": moe}
+          "offload": offload, "parity": parity, "rl": rl, "resume": resume, "moe": moe,
+          "lora": lora}
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ["preflight", "smoke", "performance", "offload", "parity", "rl", "resume", "moe"]
+STAGES = ["preflight", "smoke", "performance", "offload", "parity", "rl", "resume", "moe",
+          "lora"]
 
 
 def test_every_stage_passes_on_cpu(tmp_path):
