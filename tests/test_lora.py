@@ -4,6 +4,7 @@ peft's merge_and_unload, and the base with adapters off, at TP1 and TP2 x PP2.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -166,6 +167,10 @@ def test_bad_adapter_settings_are_refused_naming_the_field():
                              "sft.micro_batch_size=4"])
     with pytest.raises(ConfigError, match=r"sft.lora.enabled: adapters on a Mixture-of-Experts"):
         validate_sft(moe, 1)
+    dropout = load_config(None, ["actor.lora.enabled=true", "actor.lora.dropout=0.1",
+                                 "parallel.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"actor.lora.dropout=0.1 with parallel.tensor_model_"):
+        validate_rl(dropout, 2)
     assert LoraConfig(target_modules=("q_proj", "down_proj")).megatron_targets() == (
         "linear_qkv", "linear_fc2")
     assert LoraConfig(target_modules=("all-linear",)).megatron_targets() == (
@@ -182,12 +187,20 @@ def test_adapters_resume_only_onto_their_base(tmp_path):
         folder.mkdir()
         torch.save(torch.full((4,), value), folder / "weights.pt")
     layout = {"world_size": 1}
-    trained_on = base_identity(InitConfig(hf_path=str(first)), 0)
+    trained_on = base_identity(InitConfig(hf_path=str(first)), 0, LORA)
     marker = {"roles": ["actor"], "layout": layout, "bases": {"actor": trained_on}}
     path = str(tmp_path / "step_00000002")
     assert compatibility_problems(path, marker, ["actor"], layout, {"actor": trained_on}) == []
-    other = base_identity(InitConfig(hf_path=str(second)), 0)
+    (first / "README.md").write_text("edited after download")  # not part of the identity
+    assert base_identity(InitConfig(hf_path=str(first)), 0, LORA) == trained_on
+    other = base_identity(InitConfig(hf_path=str(second)), 0, LORA)
     [problem] = compatibility_problems(path, marker, ["actor"], layout, {"actor": other})
     assert f"trained on the base {first}" in problem and f"this job's base is {second}" in problem
+    rescaled = base_identity(InitConfig(hf_path=str(first)), 0,
+                             dataclasses.replace(LORA, alpha=32.0))
+    [problem] = compatibility_problems(path, marker, ["actor"], layout, {"actor": rescaled})
+    assert problem == ("step_00000002: its actor adapters are rank 4, alpha 8, targets "
+                       "linear_qkv, linear_proj, linear_fc1, linear_fc2, this job's are rank 4, "
+                       "alpha 32, targets linear_qkv, linear_proj, linear_fc1, linear_fc2")
     [problem] = compatibility_problems(path, marker, ["actor"], layout, {})
     assert problem == "step_00000002: its actor trains adapters, this job's every weight"

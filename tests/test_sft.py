@@ -216,7 +216,7 @@ def test_sft_with_lora_matches_peft_at_pp2(tmp_path, tokenizer):
                "sft.micro_batch_size=2", f"sft.optimizer.lr={lr}",
                f"sft.optimizer.adam_eps={eps}", "sft.optimizer.clip_grad=0", "sft.max_length=32",
                *lora_overrides("sft"), "parallel.pipeline_model_parallel_size=2",
-               f"runtime.output_dir={out}", ranks=2, port=29573)
+               f"runtime.output_dir={out}", ranks=2, port=29574)
     assert done.returncode == 0, done.stderr[-3000:]
     losses, grad_norms, policy = hf_reference(hf_init, tokenizer, lr, eps, steps, lora=True)
     logged = [json.loads(line) for line in open(out / "metrics.jsonl")]

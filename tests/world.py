@@ -8,16 +8,28 @@ with that rank's traceback instead of hanging.
 from __future__ import annotations
 
 import os
+import random
 import socket
+import time
 
 import torch
 import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999). A port the OS hands out (bind
+    to 0) can be handed out again, to any connection opened before the world binds it: gloo
+    opens many, so a port picked ahead for a later world could be gone by then."""
+    generator = random.Random(os.getpid() * 1_000_003 + time.time_ns())
+    for _ in range(200):
+        port = generator.randrange(20000, 32768)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def _entry(rank: int, world_size: int, port: int, function, args) -> None:

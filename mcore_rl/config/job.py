@@ -197,6 +197,10 @@ def moe_job_errors(config: JobConfig, job: str) -> list[str]:
 def lora_errors(config: JobConfig, lora: LoraConfig, prefix: str) -> list[str]:
     """The adapter settings at `prefix` and what they cannot be combined with yet."""
     errors = lora.errors(prefix)
+    if lora.enabled and lora.dropout and config.parallel.tensor_model_parallel_size > 1:
+        errors.append(f"{prefix}.dropout={lora.dropout} with parallel.tensor_model_parallel_size"
+                      f"={config.parallel.tensor_model_parallel_size} is not supported yet: the "
+                      "adapters' dropout masks are not verified to agree across TP ranks")
     if lora.enabled and config.model.moe.enabled:
         errors.append(f"{prefix}.enabled: adapters on a Mixture-of-Experts model (model.moe."
                       f"num_experts={config.model.moe.num_experts}) are not supported yet: "

@@ -38,7 +38,8 @@ class LoraConfig:
     """The adapter's output is scaled by alpha / rank (peft's lora_alpha)."""
 
     dropout: float = 0.0
-    """Dropout on the adapter's input while training (peft's lora_dropout)."""
+    """Dropout on the adapter's input while training (peft's lora_dropout); not yet with
+    parallel.tensor_model_parallel_size > 1."""
 
     target_modules: tuple[str, ...] = MEGATRON_TARGETS
     """Linears that get adapters: Megatron names (linear_qkv, linear_proj, linear_fc1,

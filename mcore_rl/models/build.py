@@ -76,9 +76,9 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
 def _freeze_all_but_adapters(gpt) -> None:
     """Only adapters (and a scalar head: peft's modules_to_save for a score head) train."""
     for name, parameter in gpt.named_parameters():
-        trains = adapter_of(name) is not None or isinstance(
-            getattr(gpt, "output_layer", None), ScalarHead) and name.startswith("output_layer.")
-        parameter.requires_grad_(trains)
+        scalar_head = (isinstance(getattr(gpt, "output_layer", None), ScalarHead)
+                       and name.startswith("output_layer."))
+        parameter.requires_grad_(adapter_of(name) is not None or scalar_head)
 
 
 def _cast_parameters(gpt, dtype: torch.dtype) -> None:

@@ -42,6 +42,7 @@ def _parallel_linears():
 
 
 def _adapter_parameter(rows: int, columns: int, like: torch.Tensor) -> torch.nn.Parameter:
+    """A zero [rows, columns] parameter on `like`'s device, in its dtype."""
     return torch.nn.Parameter(torch.zeros(rows, columns, dtype=like.dtype, device=like.device))
 
 
@@ -258,14 +259,17 @@ def gather_full_adapters(local: dict[str, torch.Tensor], model: ModelConfig
                          ) -> dict[str, torch.Tensor] | None:
     """Collective: every rank's adapter shards (`local`: canonical local names, e.g. the
     parameters or their gradients) merged into full tensors under global names, on rank 0
-    (None elsewhere). Adapters are small next to the model, so they travel as objects."""
+    (None elsewhere). Adapters are small next to the model, so they travel as objects; only the
+    first data-parallel replica sends them."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     pp_size, pp_rank = (ps.get_pipeline_model_parallel_world_size(),
                         ps.get_pipeline_model_parallel_rank())
-    mine = {sharding.to_global_name(name, pp_rank, model, pp_size): tensor.detach().cpu()
-            for name, tensor in local.items()}
+    mine = {}
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:  # replicas send nothing
+        mine = {sharding.to_global_name(name, pp_rank, model, pp_size):
+                tensor.detach().to("cpu", copy=True) for name, tensor in local.items()}
     everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object((ps.get_tensor_model_parallel_rank(), mine), everything, dst=0)
     if everything is None:

@@ -65,7 +65,8 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
                               temperature, config.reference.offload,
                               config.actor.max_tokens_per_micro_batch, config.model,
                               config.rollout.routing_replay)
-    base = base_identity(config.init, config.runtime.seed) if config.actor.lora.enabled else None
+    lora = config.actor.lora
+    base = base_identity(config.init, config.runtime.seed, lora) if lora.enabled else None
     actor = Actor(make_trainable(policy, config.actor.optimizer, precision, base),
                   config.model.vocab_size, config.actor.micro_batch_size, config.algorithm,
                   temperature, config.rollout.importance_correction(),

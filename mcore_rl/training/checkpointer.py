@@ -252,17 +252,13 @@ def _role_state_dict(model, is_loading: bool, with_optimizer: bool) -> dict:
     module = model.chunks[0].module
     model_state = _model_sharded_state_dict(module)
     if model.base is not None:
-        model_state = {key: value for key, value in model_state.items()
-                       if key in _trained_names(module)}
+        trained = {name for name, param in module.named_parameters() if param.requires_grad}
+        model_state = {key: value for key, value in model_state.items() if key in trained}
     state = {"model": model_state, "scheduler": model.scheduler.state_dict()}
     if with_optimizer:
         state["optimizer"] = model.optimizer.sharded_state_dict(
             model_state, is_loading=is_loading, metadata=_sharding_metadata())
     return state
-
-
-def _trained_names(module) -> set[str]:
-    return {name for name, param in module.named_parameters() if param.requires_grad}
 
 
 def _save_role(directory: str, model, with_optimizer: bool) -> None:
@@ -282,11 +278,8 @@ def _load_role(directory: str, model, with_optimizer: bool) -> None:
     if with_optimizer:
         _allocate_state_for_loading(model.optimizer)
     loaded = dist_checkpointing.load(_role_state_dict(model, True, with_optimizer), directory)
-    module = model.chunks[0].module
-    if model.base is None:
-        module.load_state_dict(loaded["model"], strict=True)
-    elif module.load_state_dict(loaded["model"], strict=False).unexpected_keys:
-        raise ValueError(f"{directory}: holds tensors the model does not have")
+    # With adapters the frozen base is not in the checkpoint: it came from `init`.
+    model.chunks[0].module.load_state_dict(loaded["model"], strict=model.base is None)
     if with_optimizer:
         model.optimizer.load_state_dict(loaded["optimizer"])
         _restore_steps(model.optimizer, loaded["optimizer"])
@@ -447,6 +440,9 @@ def compatibility_problems(path: str, marker: dict, roles: list[str], layout: di
         if saved is None or ours is None:
             problems.append(f"{name}: its {role} trains {'adapters' if saved else 'every weight'}"
                             f", this job's {'adapters' if ours else 'every weight'}")
+        elif saved.get("adapters") != ours.get("adapters"):
+            problems.append(f"{name}: its {role} adapters are {saved.get('adapters')}, this "
+                            f"job's are {ours.get('adapters')}")
         elif saved["fingerprint"] != ours["fingerprint"]:
             problems.append(f"{name}: its {role} adapters were trained on the base "
                             f"{saved['source']} (fingerprint {saved['fingerprint'][:12]}), this "
