@@ -20,8 +20,9 @@ from mcore_rl.models.pretrained import load_initial_weights
 from mcore_rl.param_layout import sharding
 from mcore_rl.training import compute_outputs, make_trainable, shard_for_data_parallel, train_step
 
-# lr 0 and no clipping: the step leaves the weights alone and the gradients as computed.
-FROZEN_STEP = OptimizerConfig(lr=0.0, clip_grad=0.0, use_distributed_optimizer=False)
+# lr 0 and a clipping threshold no norm reaches: the step leaves the weights alone and the
+# gradients as computed, and still reports the gradient norm (each TP shard counted once).
+FROZEN_STEP = OptimizerConfig(lr=0.0, clip_grad=1e9, use_distributed_optimizer=False)
 
 
 @torch.no_grad()
@@ -84,7 +85,8 @@ def run_lora_parity(hf_dir: str, lora: LoraConfig, adapters: dict, layouts: list
                                       adapter_tensors(module).items()}, model)
         results[(tp, pp)] = {"logprobs": _gather_to_rank0(outputs["logprobs"]),
                              "base_logprobs": _gather_to_rank0(base["logprobs"]),
-                             "loss": metrics["loss"], "grads": grads, "trained": trained,
+                             "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                             "grads": grads, "trained": trained,
                              "adapter_elements": sum(p.numel() for p in
                                                      adapter_tensors(module).values()),
                              "served": _served_weights(module, model, tp)}

@@ -130,6 +130,8 @@ def test_lora_matches_peft(parity, layout):
         difference = (got["grads"][name] - want).abs().max().item()
         print(f"gradient of {name}: max {want.abs().max().item():.2e}, difference {difference:.1e}")
         assert difference <= TOLERANCE * max(1.0, want.abs().max().item()), name
+    norm = torch.sqrt(sum(grad.double().square().sum() for grad in reference["grads"].values()))
+    assert got["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
     assert all(".lora_" in name for name in got["trained"]) and got["trained"]
     if layout == (1, 1):  # the memory plan counts what the model holds
         from mcore_rl.training.memory_plan import adapter_parameters
