@@ -47,7 +47,14 @@ def _adapter_parameter(rows: int, columns: int, like: torch.Tensor) -> torch.nn.
 
 
 class _Adapted:
-    """What both adapted linears share: the settings, the switch and the merge."""
+    """What both adapted linears share: the settings, the switch, the merge and the
+    checkpoint description."""
+
+    SPLIT: tuple[str, int]
+    """The adapter matrix split across TP ranks and its split dimension (the other is whole)."""
+
+    BASE_AXES: dict[str, int]
+    """The linear's own tensors' split dimensions (Megatron's)."""
 
     def _add_adapter(self, lora: LoraConfig, a_shape: tuple, b_shape: tuple) -> None:
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -57,8 +64,8 @@ class _Adapted:
         self.lora_dropout = torch.nn.Dropout(lora.dropout) if lora.dropout else None
         self.lora_a = _adapter_parameter(*a_shape, self.weight)
         self.lora_b = _adapter_parameter(*b_shape, self.weight)
-        split = self.lora_b if self.adapter_split == "lora_b" else self.lora_a
-        set_tensor_model_parallel_attributes(split, True, 0 if split is self.lora_b else 1, 1)
+        split, dim = self.SPLIT
+        set_tensor_model_parallel_attributes(getattr(self, split), True, dim, 1)
 
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         return self.lora_dropout(x) if self.lora_dropout is not None else x
@@ -69,13 +76,15 @@ class _Adapted:
         update = self.lora_b.float() @ self.lora_a.float()
         return (self.weight.float() + self.lora_scaling * update).to(self.weight.dtype)
 
-    def _adapter_state_dict(self, state: dict, prefix: str, sharded_offsets, metadata,
-                            axis_map: dict):
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's, with the split adapter matrix described as split (its default would
+        store it as a replica, keeping one TP rank's part only)."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+        split, dim = self.SPLIT
         return make_sharded_tensors_for_checkpoint(
-            state, prefix, axis_map, sharded_offsets, tp_group=self.tp_group,
-            dp_cp_group=metadata["dp_cp_group"])
+            self.state_dict(prefix="", keep_vars=True), prefix, {**self.BASE_AXES, split: dim},
+            sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
 
 
 @functools.cache
@@ -85,7 +94,7 @@ def _column_class():
     class LoraColumnParallelLinear(_Adapted, ColumnParallelLinear):
         """ColumnParallelLinear + an adapter: A whole, B split on output rows."""
 
-        adapter_split = "lora_b"
+        SPLIT, BASE_AXES = ("lora_b", 0), {"weight": 0, "bias": 0}
 
         def __init__(self, input_size: int, output_size: int, *, lora: LoraConfig, **kwargs):
             super().__init__(input_size, output_size, **kwargs)
@@ -111,11 +120,6 @@ def _column_class():
             inner = mappings.copy_to_tensor_model_parallel_region(inner, group=self.tp_group)
             return output + self.lora_scaling * F.linear(inner, self.lora_b), bias
 
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return self._adapter_state_dict(self.state_dict(prefix="", keep_vars=True), prefix,
-                                            sharded_offsets, metadata,
-                                            {"weight": 0, "bias": 0, "lora_b": 0})
-
     return LoraColumnParallelLinear
 
 
@@ -126,7 +130,7 @@ def _row_class():
     class LoraRowParallelLinear(_Adapted, RowParallelLinear):
         """RowParallelLinear + an adapter: A split on input columns, B whole."""
 
-        adapter_split = "lora_a"
+        SPLIT, BASE_AXES = ("lora_a", 1), {"weight": 1}
 
         def __init__(self, input_size: int, output_size: int, *, lora: LoraConfig, **kwargs):
             super().__init__(input_size, output_size, **kwargs)
@@ -153,11 +157,6 @@ def _row_class():
             if self.sequence_parallel:
                 delta = mappings.scatter_to_sequence_parallel_region(delta, group=self.tp_group)
             return output + delta, bias
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return self._adapter_state_dict(self.state_dict(prefix="", keep_vars=True), prefix,
-                                            sharded_offsets, metadata,
-                                            {"weight": 1, "lora_a": 1})
 
     return LoraRowParallelLinear
 
@@ -229,8 +228,7 @@ def initialize_adapters(module: torch.nn.Module, model: ModelConfig, seed: int) 
                         ps.get_pipeline_model_parallel_rank())
     for name, linear in adapted_linears(module).items():
         a_name = sharding.to_global_name(f"{name}.lora_a", pp_rank, model, pp_size)
-        in_features = linear.lora_a.shape[1] * (tp_size if linear.adapter_split == "lora_a"
-                                                else 1)
+        in_features = linear.lora_a.shape[1] * (tp_size if linear.SPLIT[0] == "lora_a" else 1)
         full = initial_lora_a(a_name, linear.lora_a.shape[0], in_features, seed)
         linear.lora_a.copy_(sharding.split_adapter(a_name, full, tp_size, tp_rank))
         linear.lora_b.zero_()
