@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from mcore_rl.config import (BatchConfig, JobConfig, ModelConfig, OptimizerConfig,
                              ParallelConfig, RuntimeConfig)
-from mcore_rl.models import build_gpt_model, load_full_state, local_state
+from mcore_rl.models import build_gpt_model, load_full_state
+from mcore_rl.models.weights import local_parameters
 from mcore_rl.models.moe_routing import NO_ROUTE, RoutingPass
 from mcore_rl.runtime.devices import collective_device
 from mcore_rl.param_layout import sharding
@@ -98,14 +99,17 @@ def routing_checks(chunks: list, local: dict, model: ModelConfig) -> dict:
     return result
 
 
-def _merged_weights(module, model: ModelConfig, parallel: ParallelConfig, head: str):
+def _merged_weights(module, model: ModelConfig, parallel: ParallelConfig, head: str,
+                    state_of=local_parameters):
     """The full updated weights, merged from every rank's shards (None off rank 0): each
-    canonical tensor from its TP shards (every (pp, ep) rank holding it agrees)."""
+    canonical tensor from its TP shards (every (pp, ep) rank holding it agrees). state_of:
+    the stage's local tensors by canonical local name."""
     from mcore_rl.checkpoint import megatron_coordinates
 
     coordinates = megatron_coordinates()
     names = coordinates.stage_params(model, head)
-    state = {names[local]: tensor for local, tensor in local_state(module).items()}
+    state = {names[local]: tensor.detach().cpu().clone()
+             for local, tensor in state_of(module).items()}
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, (coordinates.tp_rank, state))
     if dist.get_rank() != 0:

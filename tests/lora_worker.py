@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from conversion_worker import _set_layout
-from layout_worker import MICRO_BATCH, _gather_to_rank0, policy_style_loss
+from layout_worker import MICRO_BATCH, _gather_to_rank0, _merged_weights, policy_style_loss
 from mcore_rl.config import InitConfig, OptimizerConfig, ParallelConfig
 from mcore_rl.config.lora import LoraConfig
 from mcore_rl.conversion.hf_to_mcore import model_config_of_hf
@@ -36,25 +36,6 @@ def load_adapters(module, full: dict, model) -> None:
     for name, param in adapter_tensors(module).items():
         tensor = full[sharding.to_global_name(name, pp_rank, model, pp_size)]
         param.copy_(sharding.split_adapter(name, tensor, tp_size, tp_rank))
-
-
-def _served_weights(module, model, tp: int) -> dict | None:
-    from mcore_rl.checkpoint import megatron_coordinates
-
-    coordinates = megatron_coordinates()
-    names = coordinates.stage_params(model, "lm")
-    state = {names[local]: tensor.detach().clone()
-             for local, tensor in served_parameters(module).items()}
-    everything = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, (coordinates.tp_rank, state))
-    if dist.get_rank() != 0:
-        return None
-    shards = {}
-    for tp_rank, rank_state in everything:
-        for name, tensor in rank_state.items():
-            shards.setdefault(name, {})[tp_rank] = tensor
-    return {name: sharding.merge_from_tp(name, [by_rank[r] for r in range(tp)], model, tp)
-            for name, by_rank in shards.items()}
 
 
 def run_lora_parity(hf_dir: str, lora: LoraConfig, adapters: dict, layouts: list, batch: dict,
@@ -89,7 +70,8 @@ def run_lora_parity(hf_dir: str, lora: LoraConfig, adapters: dict, layouts: list
                              "grads": grads, "trained": trained,
                              "adapter_elements": sum(p.numel() for p in
                                                      adapter_tensors(module).values()),
-                             "served": _served_weights(module, model, tp)}
+                             "served": _merged_weights(module, model, parallel, "lm",
+                                                       served_parameters)}
     if dist.get_rank() == 0:
         torch.save(results, out_path)
 

@@ -239,7 +239,9 @@ def initial_lora_a(name: str, rank: int, in_features: int, seed: int) -> torch.T
     (a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)), from a generator seeded by `seed` and the name."""
     generator = torch.Generator().manual_seed(_name_seed(seed, name))
     bound = 1 / math.sqrt(in_features)
-    return torch.empty(rank, in_features).uniform_(-bound, bound, generator=generator)
+    # Drawn in host memory on purpose (the caller copies the shard to the device): the same
+    # numbers on every device and layout.
+    return torch.empty(rank, in_features, device="cpu").uniform_(-bound, bound, generator=generator)
 
 
 def _name_seed(seed: int, name: str) -> int:

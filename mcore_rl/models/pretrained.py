@@ -34,6 +34,17 @@ def build_from_init(init: InitConfig, model: ModelConfig, parallel: ParallelConf
 
 
 @torch.no_grad()
+def copy_of_stage(module: torch.nn.Module, model: ModelConfig, parallel: ParallelConfig,
+                  precision: str, device: torch.device | None = None) -> torch.nn.Module:
+    """A second LM stage holding `module`'s current weights (a copy, not a second load, so a
+    randomly initialised policy gets the same copy): a reference's starting policy."""
+    copy = build_gpt_model(model, parallel, precision, "lm", device, random_init=False)
+    copy_into_stage(copy, {name: param.detach() for name, param in
+                           base_parameters(module).items()})
+    return copy
+
+
+@torch.no_grad()
 def check_replicas_identical(module: torch.nn.Module) -> None:
     """Raise on every rank when the data-parallel replicas of this stage differ: gradients
     are averaged over DP, so replicas that start apart (an RNG seeded differently on one

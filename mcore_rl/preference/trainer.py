@@ -26,10 +26,8 @@ from mcore_rl.conversion.export import hf_metadata, tokenizer_files
 from mcore_rl.conversion.mcore_to_hf import convert_mcore_to_hf
 from mcore_rl.conversion.peft_adapter import ADAPTER_DIR
 from mcore_rl.data import pad_id
-from mcore_rl.models.build import build_gpt_model
 from mcore_rl.models.lora import served_parameters
-from mcore_rl.models.pretrained import build_from_init
-from mcore_rl.models.weights import copy_into_stage, local_parameters
+from mcore_rl.models.pretrained import build_from_init, copy_of_stage
 from mcore_rl.observability import METRICS_FILE
 from mcore_rl.roles import Reference
 from mcore_rl.runtime import print0
@@ -182,12 +180,8 @@ class DpoTrainer(PreferenceTrainer):
         copy, not a second load, so a randomly initialised policy gets the same reference); with
         dpo.lora, the policy itself with its adapters off."""
         config = job.config
-        reference = module
-        if not config.dpo.lora.enabled:
-            reference = build_gpt_model(config.model, config.parallel, config.runtime.precision,
-                                        "lm", job.runtime.device, random_init=False)
-            copy_into_stage(reference, {name: param.detach()
-                                        for name, param in local_parameters(module).items()})
+        reference = module if config.dpo.lora.enabled else copy_of_stage(
+            module, config.model, config.parallel, config.runtime.precision, job.runtime.device)
         self.reference = Reference(reference, config.model.vocab_size,
                                    2 * config.dpo.micro_batch_size, 1.0, offload=False)
 

@@ -23,7 +23,7 @@ from mcore_rl.config.parallel import AUTO_ORDER
 from mcore_rl.conversion.export import hf_architecture
 from mcore_rl.conversion.model_source import with_model_from_init
 from mcore_rl.models import DTYPES, build_gpt_model
-from mcore_rl.models.pretrained import build_from_init
+from mcore_rl.models.pretrained import build_from_init, copy_of_stage
 from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.resharding.layouts import DEFAULT_ORDER, TrainingLayout, layout_order
@@ -60,7 +60,8 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
                              config.actor.lora, config.runtime.seed)
     reference = None
     if config.algorithm.needs_reference:
-        frozen = policy if config.actor.lora.enabled else _copy_of(policy, config, device)
+        frozen = policy if config.actor.lora.enabled else copy_of_stage(
+            policy, config.model, config.parallel, precision, device)
         reference = Reference(frozen, config.model.vocab_size, config.actor.micro_batch_size,
                               temperature, config.reference.offload,
                               config.actor.max_tokens_per_micro_batch, config.model,
@@ -83,16 +84,6 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
     if config.reward.model_path:
         reward_model = build_reward_model(config, device)
     return Roles(actor, critic, reference, reward_model)
-
-
-def _copy_of(policy, config: JobConfig, device: torch.device):
-    """A second model stage holding the policy's starting weights."""
-    frozen = build_gpt_model(config.model, config.parallel, config.runtime.precision, "lm",
-                             device, random_init=False)
-    with torch.no_grad():
-        for copy, original in zip(frozen.parameters(), policy.parameters(), strict=True):
-            copy.copy_(original)
-    return frozen
 
 
 def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_scorer: bool
