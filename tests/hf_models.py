@@ -108,3 +108,18 @@ def write_tiny_qwen3_moe(folder: str, vocabulary: tuple[str, ...]) -> str:
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(folder)
     write_word_tokenizer(folder, vocabulary)
     return folder
+
+
+def toy_llama(folder: str, hidden_size: int = 128, intermediate_size: int = 256,
+              num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 2,
+              seed: int = 0) -> str:
+    """A random HF Llama of the toy task's shape (configs/grpo_toy.yaml: vocabulary 16, head_dim
+    64 as vLLM's CPU attention needs) written to `folder`; wider or deeper ones by argument."""
+    config = transformers.LlamaConfig(
+        vocab_size=16, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, max_position_embeddings=64, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from hf_models import toy_llama
 from world import run_world
 
 pytestmark = pytest.mark.skipif(
@@ -20,21 +21,6 @@ pytestmark = pytest.mark.skipif(
 STEPS = 4
 SAVED_AT = 2
 NOT_REPRODUCIBLE = ("time/", "throughput/tokens_per_second", "memory/")
-
-
-def toy_base(folder: str) -> str:
-    """The toy task's model shape as a random HF Llama folder: the frozen base."""
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=16, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(folder)
-    return folder
 
 
 def overrides(base: str, tokenizer: str, output_dir) -> list[str]:
@@ -58,7 +44,7 @@ def runs(tmp_path_factory):
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     root = tmp_path_factory.mktemp("lora_rl")
-    base = toy_base(str(root / "base"))
+    base = toy_llama(str(root / "base"))
     tokenizer = write_toy_tokenizer(str(root / "tokenizer"))
     run_world(2, lora_rl_run, str(root / "full.pt"), overrides(base, tokenizer, root / "full"),
               STEPS)

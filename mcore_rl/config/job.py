@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from .algorithm import AlgorithmConfig
 from .data import CHAT_TEMPLATE_MODES, DataConfig
-from .model import ModelConfig
+from .model import InitConfig, ModelConfig
 from .parallel import ParallelConfig
 from .placement import PlacementConfig
 from .preference import DpoConfig, RmConfig
@@ -19,31 +18,12 @@ from .rl import (ActorConfig, CriticConfig, ReferenceConfig, RolloutConfig, Trai
                  rollout_tp_errors)
 from .runtime import RuntimeConfig
 from .sft import SftConfig
+from .teacher import TeacherConfig
 from .training import BatchConfig, OptimizerConfig
 
 
 class ConfigError(ValueError):
     """A configuration that breaks one or more rules; the message lists every broken rule."""
-
-
-@dataclass(frozen=True)
-class InitConfig:
-    """Where the model's starting weights come from (random initialisation when both are unset).
-    Either source also defines the architecture: the `model` section must then stay unset."""
-
-    hf_path: Optional[str] = None
-    """An HF checkpoint folder (config.json + safetensors), read directly, no offline step."""
-
-    checkpoint: Optional[str] = None
-    """An mcore_rl weights checkpoint (`mcore-rl convert hf-to-mcore` or a training save)."""
-
-    @staticmethod
-    def from_path(path: str) -> "InitConfig":
-        """`path` as a source: an HF folder when it holds config.json, else an mcore_rl
-        checkpoint."""
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return InitConfig(hf_path=path)
-        return InitConfig(checkpoint=path)
 
 
 @dataclass(frozen=True)
@@ -95,6 +75,10 @@ class JobConfig:
 
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """RL: the frozen reference policy (built only when a KL term is used)."""
+
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """RL: on-policy distillation from a frozen teacher (docs/distillation.md); off unless
+    teacher.init names one."""
 
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """RL: the engine and how responses are sampled."""
@@ -260,6 +244,7 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
     errors += _rl_batch_errors(config, world_size) + list(name_errors) + _moe_rl_errors(config)
     errors += _engine_old_logprob_errors(config)
     errors += lora_errors(config, config.actor.lora, "actor.lora")
+    errors += _teacher_errors(config, world_size)
     if config.reward.shaping.active and config.algorithm.estimator == "remax":
         errors.append("reward.shaping cannot be combined with algorithm.estimator=remax: its "
                       "greedy baseline is scored without the shaping")
@@ -281,6 +266,20 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
         raise ConfigError("invalid RL configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
     return config
+
+
+def _teacher_errors(config: JobConfig, world_size: int) -> list[str]:
+    """The teacher's rules, over the ranks that train (the teacher lives on the trainer side of
+    split placement, never on the rollout ranks)."""
+    if not config.teacher.enabled:
+        return []
+    trainers = config.placement.trainer_ranks(world_size)
+    where = "ranks" if not config.placement.split else (
+        f"trainer ranks (placement.rollout_ranks={config.placement.rollout_ranks} only "
+        f"generate)")
+    parallel = config.parallel
+    return config.teacher.errors(parallel.tensor_model_parallel_size,
+                                 parallel.pipeline_model_parallel_size, trainers, where)
 
 
 def _sequence_length_fields(config: JobConfig) -> str:

@@ -11,6 +11,7 @@ config can never hold two values that disagree.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -234,3 +235,23 @@ class ModelConfig:
         if self.kv_channels % 2:
             errors.append(f"head_dim={self.kv_channels} must be even for rotary embeddings")
         return errors + self.moe.errors(self.num_layers, tensor_parallel)
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Where the model's starting weights come from (random initialisation when both are unset).
+    Either source also defines the architecture: the `model` section must then stay unset."""
+
+    hf_path: Optional[str] = None
+    """An HF checkpoint folder (config.json + safetensors), read directly, no offline step."""
+
+    checkpoint: Optional[str] = None
+    """An mcore_rl weights checkpoint (`mcore-rl convert hf-to-mcore` or a training save)."""
+
+    @staticmethod
+    def from_path(path: str) -> "InitConfig":
+        """`path` as a source: an HF folder when it holds config.json, else an mcore_rl
+        checkpoint."""
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return InitConfig(hf_path=path)
+        return InitConfig(checkpoint=path)

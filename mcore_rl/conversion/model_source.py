@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from mcore_rl.checkpoint.weights_io import read_metadata
-from mcore_rl.config import ConfigError, JobConfig, ModelConfig
+from mcore_rl.config import ConfigError, InitConfig, JobConfig, ModelConfig
 
 from .hf_to_mcore import model_config_of_hf
 
@@ -22,14 +22,19 @@ def with_model_from_init(config: JobConfig) -> JobConfig:
     source = config.init.hf_path or config.init.checkpoint
     if not source:
         return config
-    try:
-        if config.init.hf_path:
-            model = model_config_of_hf(config.init.hf_path)
-        else:
-            model = read_metadata(config.init.checkpoint)["model"]
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"init: {error}") from error
+    model = model_of_init(config.init, "init")
     if config.model not in (ModelConfig(), model):
         raise ConfigError(f"the model comes from {source}: remove the 'model' section "
                           "(and model.* overrides) from the config")
     return dataclasses.replace(config, model=model)
+
+
+def model_of_init(init: InitConfig, field: str) -> ModelConfig:
+    """The architecture `init` (an HF folder or an mcore_rl checkpoint) holds; ConfigError
+    naming `field` when it cannot be read."""
+    try:
+        if init.hf_path:
+            return model_config_of_hf(init.hf_path)
+        return read_metadata(init.checkpoint)["model"]
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{field}: {error}") from error

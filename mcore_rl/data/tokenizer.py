@@ -10,7 +10,7 @@ import os
 
 import torch.distributed as dist
 
-from mcore_rl.config import ConfigError, JobConfig
+from mcore_rl.config import ConfigError, InitConfig, JobConfig
 
 from .toy import write_toy_tokenizer
 
@@ -42,11 +42,33 @@ def pad_id(tokenizer) -> int:
 
 
 def _checkpoint_tokenizer(config: JobConfig) -> str | None:
-    """The tokenizer folder that travels with the init checkpoint, if it has one."""
-    if not config.init.checkpoint:
-        return None
-    folder = os.path.join(config.init.checkpoint, "tokenizer")
-    return folder if os.path.isdir(folder) else None
+    return tokenizer_folder(InitConfig(checkpoint=config.init.checkpoint))
+
+
+def tokenizer_folder(init: InitConfig) -> str | None:
+    """The tokenizer that travels with a model: its HF folder, or an mcore_rl checkpoint's
+    tokenizer/ folder; None when it has none."""
+    if init.hf_path:
+        return init.hf_path
+    folder = os.path.join(init.checkpoint or "", "tokenizer")
+    return folder if init.checkpoint and os.path.isdir(folder) else None
+
+
+def vocabulary_differences(ours, theirs, names: tuple[str, str], shown: int = 3) -> list[str]:
+    """How `theirs` (a tokenizer) maps tokens differently from `ours`, naming the first
+    `shown` tokens that differ (`names`: what to call the two); empty when both map every
+    token to the same id."""
+    mine, other = ours.get_vocab(), theirs.get_vocab()
+    differing = sorted(set(mine) ^ set(other) | {token for token in set(mine) & set(other)
+                                                  if mine[token] != other[token]},
+                       key=lambda token: (mine.get(token, other.get(token)), token))
+    return [f"{token!r} is {_id_in(mine, token)} in {names[0]} and {_id_in(other, token)} in "
+            f"{names[1]}" for token in differing[:shown]] + (
+        [f"... {len(differing) - shown} more tokens differ"] if len(differing) > shown else [])
+
+
+def _id_in(vocabulary: dict, token: str) -> str:
+    return f"id {vocabulary[token]}" if token in vocabulary else "absent"
 
 
 def _only_toy_prompts(config: JobConfig) -> bool:

@@ -13,6 +13,7 @@ import torch
 from ..config import ModelConfig, ParallelConfig
 from ..config.lora import LoraConfig
 from ..param_layout.sharding import adapter_of
+from ..runtime.model_groups import ModelGroups
 from .heads import ScalarHead
 from .layer_spec import decoder_spec
 from .lora import initialize_adapters
@@ -25,8 +26,9 @@ Head = Literal["lm", "scalar"]
 def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str = "fp32",
                     head: Head = "lm", device: torch.device | None = None,
                     random_init: bool = True, lora: LoraConfig | None = None,
-                    seed: int = 0):
-    """The GPTModel stage this rank holds in the current Megatron parallel state.
+                    seed: int = 0, groups: ModelGroups | None = None):
+    """The GPTModel stage this rank holds in the current Megatron parallel state, or in
+    `groups` (a second model's own layout, which `parallel` then describes).
 
     head="lm": vocab-parallel logits over `model.padded_vocab_size(tp)` rows.
     head="scalar": one number per position (critic values, reward-model scores).
@@ -41,18 +43,23 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
     if head not in ("lm", "scalar"):
         raise ValueError(f"head={head!r} must be 'lm' or 'scalar'")
     config = megatron_transformer_config(model, parallel, precision, random_init)
-    post_process = parallel_state.is_pipeline_last_stage()
+    if groups is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+        post_process = parallel_state.is_pipeline_last_stage()
+    else:
+        pre_process, post_process = groups.is_first_stage, groups.is_last_stage
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(config, model.qk_norm, model.moe.enabled, lora),
         vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
         max_sequence_length=model.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
+        pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=model.tie_embeddings and head == "lm",
         position_embedding_type="rope",
         rotary_base=model.rope_theta,
+        pg_collection=groups.collection if groups is not None else None,
     )
     if model.rope_scaling is not None:
         inv_freq = rope_inverse_frequencies(model.kv_channels, model.rope_theta)

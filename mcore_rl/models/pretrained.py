@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint.weights_io import load_weights_into, megatron_coordinates, read_metadata
+from ..checkpoint.weights_io import (RankCoordinates, load_weights_into, megatron_coordinates,
+                                     read_metadata)
 from ..config import InitConfig, ModelConfig, ParallelConfig
 from ..config.lora import LoraConfig
 from ..param_layout import sharding
 from ..runtime.devices import collective_device
+from ..runtime.model_groups import ModelGroups
 from .build import build_gpt_model
 from .weights import base_parameters, copy_into_stage
 
@@ -30,6 +32,22 @@ def build_from_init(init: InitConfig, model: ModelConfig, parallel: ParallelConf
                              seed=seed)
     load_initial_weights(module, init, model, head)
     check_replicas_identical(module)
+    return module
+
+
+def build_frozen_from_init(init: InitConfig, model: ModelConfig, parallel: ParallelConfig,
+                           precision: str, groups: ModelGroups,
+                           device: torch.device | None = None):
+    """This rank's stage of a frozen LM (no gradients) in its own layout `groups` (which
+    `parallel` describes), holding `init`'s weights: a teacher beside the trained model."""
+    module = build_gpt_model(model, parallel, precision, "lm", device, random_init=False,
+                             groups=groups)
+    coordinates = RankCoordinates(groups.tp_size, groups.pp_size, groups.tp_rank,
+                                  groups.pp_rank, groups.dp_rank)
+    if not load_initial_weights(module, init, model, "lm", coordinates):
+        raise ValueError("a frozen model needs weights: set hf_path or checkpoint")
+    for param in module.parameters():
+        param.requires_grad_(False)
     return module
 
 
@@ -80,9 +98,10 @@ def _replicas_differ(params: list[torch.Tensor], group) -> bool:
 
 @torch.no_grad()
 def load_initial_weights(module: torch.nn.Module, init: InitConfig, model: ModelConfig,
-                         head: str = "lm") -> bool:
-    """Load `init`'s weights into this rank's stage; False when init names no source."""
-    coordinates = megatron_coordinates()
+                         head: str = "lm", coordinates: RankCoordinates | None = None) -> bool:
+    """Load `init`'s weights into this rank's stage (at `coordinates`, by default its place in
+    Megatron's parallel state); False when init names no source."""
+    coordinates = coordinates or megatron_coordinates()
     if init.hf_path:
         from ..conversion.hf_to_mcore import local_shards_from_hf, open_hf
 

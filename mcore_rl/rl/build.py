@@ -18,24 +18,28 @@ from mcore_rl.agents import (ChatFormat, EpisodeRunner, EpisodeSpec, environment
                              function_tools, tool_schemas)
 from mcore_rl.algorithms import unregistered_names
 from mcore_rl.checkpoint.base_identity import base_identity
-from mcore_rl.config import ConfigError, InitConfig, JobConfig, validate_rl
+from mcore_rl.config import ConfigError, InitConfig, JobConfig, ParallelConfig, validate_rl
 from mcore_rl.config.parallel import AUTO_ORDER
 from mcore_rl.conversion.export import hf_architecture
-from mcore_rl.conversion.model_source import with_model_from_init
+from mcore_rl.conversion.model_source import model_of_init, with_model_from_init
+from mcore_rl.data.tokenizer import tokenizer_folder, vocabulary_differences
 from mcore_rl.models import DTYPES, build_gpt_model
-from mcore_rl.models.pretrained import build_from_init, copy_of_stage
+from mcore_rl.models.pretrained import build_from_init, build_frozen_from_init, copy_of_stage
 from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.resharding.layouts import DEFAULT_ORDER, TrainingLayout, layout_order
 from mcore_rl.resharding.plan import ReshardPlan
 from mcore_rl.resharding.rank_order import choose_training_order
 from mcore_rl.rewards import FunctionTable, RuleRewards
-from mcore_rl.roles import Actor, Critic, Reference, RewardModel, RuleReward
+from mcore_rl.roles import Actor, Critic, Reference, RewardModel, RuleReward, Teacher
 from mcore_rl.runtime import LaunchEnv, print0, seed_everything
 from mcore_rl.runtime.agreement import raise_on_any_rank
+from mcore_rl.runtime.devices import device_memory_bytes
+from mcore_rl.runtime.model_groups import build_model_groups
 from mcore_rl.runtime.transport import Transport
 from mcore_rl.rollout import MegatronEngine, RolloutEngine
 from mcore_rl.training import make_trainable
+from mcore_rl.training.memory_plan import scoring_memory, training_memory
 
 from .api import with_actor_model
 from .data import TrainingData
@@ -50,10 +54,12 @@ class Roles:
     critic: Critic | None
     reference: Reference | None
     reward_model: RewardModel | None
+    teacher: Teacher | None = None
 
 
-def build_roles(config: JobConfig, device: torch.device) -> Roles:
-    """Actor (+ critic, + reference) with their starting weights from `config.init`. An actor
+def build_roles(config: JobConfig, device: torch.device, tokenizer=None) -> Roles:
+    """Actor (+ critic, + reference, + teacher) with their starting weights from `config.init`
+    (the teacher's from teacher.init, checked against the student's `tokenizer`). An actor
     with adapters is its own reference (adapters off): no second model is built."""
     precision, temperature = config.runtime.precision, config.rollout.sampling.temperature
     policy = build_from_init(config.init, config.model, config.parallel, precision, "lm", device,
@@ -83,7 +89,82 @@ def build_roles(config: JobConfig, device: torch.device) -> Roles:
     reward_model = None
     if config.reward.model_path:
         reward_model = build_reward_model(config, device)
-    return Roles(actor, critic, reference, reward_model)
+    teacher = build_teacher(config, tokenizer, device) if config.teacher.enabled else None
+    return Roles(actor, critic, reference, reward_model, teacher)
+
+
+def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher:
+    """The frozen teacher in its own layout (teacher.parallel), after checking on every rank,
+    before anything is built, that it shares the student's tokenizer, fits that layout and
+    fits the device's memory beside the student's training state."""
+    from megatron.core import parallel_state
+
+    settings = config.teacher
+    model = model_of_init(settings.init, "teacher.init")
+    tp, pp = settings.layout(config.parallel.tensor_model_parallel_size,
+                             config.parallel.pipeline_model_parallel_size)
+    micro_batch_size = settings.micro_batch_size or config.actor.micro_batch_size
+    problems = [f"the teacher's {problem}" for problem in model.check(tp, pp)]
+    if model.moe.enabled:
+        problems.append("a Mixture-of-Experts teacher is not supported yet (dense teachers only)")
+    problems += _teacher_tokenizer_problems(settings.init, tokenizer)
+    problems += _teacher_memory_problems(config, model, tp, pp, micro_batch_size, device)
+    if problems:
+        source = settings.init.hf_path or settings.init.checkpoint
+        raise ConfigError(f"teacher.init={source}: " + "; ".join(problems))
+    groups = build_model_groups(tp, pp, config.runtime.collective_timeout_minutes)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    module = build_frozen_from_init(settings.init, model, parallel, config.runtime.precision,
+                                    groups, device)
+    return Teacher(module, groups, model.vocab_size, micro_batch_size,
+                   config.rollout.sampling.temperature, settings.offload,
+                   parallel_state.get_data_parallel_rank())
+
+
+def _teacher_tokenizer_problems(init: InitConfig, tokenizer) -> list[str]:
+    """Why the teacher's tokenizer is not the student's `tokenizer` (the same token ids), if it
+    is not: the teacher scores the student's token ids as its own."""
+    folder = tokenizer_folder(init)
+    if folder is None:
+        return ["it has no tokenizer (an mcore_rl checkpoint keeps one in tokenizer/) to check "
+                "against the student's"]
+    from transformers import AutoTokenizer
+    try:
+        theirs = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        return [f"its tokenizer in {folder} cannot be loaded ({error})"]
+    differences = vocabulary_differences(tokenizer, theirs, ("the student's tokenizer",
+                                                             "the teacher's"))
+    if not differences:
+        return []
+    return ["its vocabulary is not the student's (the teacher must use the student's "
+            "tokenizer): " + ", ".join(differences)]
+
+
+def _teacher_memory_problems(config: JobConfig, model, tp: int, pp: int,
+                             micro_batch_size: int, device: torch.device) -> list[str]:
+    """The teacher's weights and one micro-batch's logits per device, beside the student's
+    training state (resident while the teacher scores), against the device's memory; said on
+    rank 0 either way."""
+    weight_bytes = DTYPES[config.runtime.precision].itemsize
+    need = scoring_memory(model, tp * pp, tp, weight_bytes, micro_batch_size,
+                          config.sequence_length())
+    parallel = config.parallel
+    trainers = config.placement.trainer_ranks(dist.get_world_size())
+    student = training_memory(config.model, config.actor.lora, parallel.model_parallel_size,
+                              trainers // parallel.model_parallel_size, weight_bytes,
+                              config.algorithm.needs_reference).total
+    available = device_memory_bytes(device)
+    gib = 2 ** 30
+    summary = (f"teacher: {need.weights / gib:.2f} GiB of weights per device (TP {tp} x PP "
+               f"{pp}) + {need.logits / gib:.2f} GiB of logits per micro-batch of "
+               f"{micro_batch_size}, beside the student's {student / gib:.2f} GiB of training "
+               f"state, of the device's {available / gib:.1f} GiB")
+    print0(summary)
+    if need.total + student <= available:
+        return []
+    return [f"it does not fit: {summary}; raise teacher.parallel.tensor_model_parallel_size "
+            f"or pipeline_model_parallel_size, or lower teacher.micro_batch_size"]
 
 
 def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_scorer: bool
@@ -226,7 +307,7 @@ def with_rank_order(config: JobConfig, ranks_per_node: int, world_size: int) -> 
         parallel, rank_order="-".join(order)))
 
 
-def build_engine_and_roles(config: JobConfig, device: torch.device
+def build_engine_and_roles(config: JobConfig, device: torch.device, tokenizer=None
                            ) -> tuple[RolloutEngine, WeightSync | None, Roles]:
     """The rollout engine, the weight sync that feeds it (None when it generates on the actor's
     own parameters) and the roles. vLLM starts first: it needs its share of the GPU
@@ -241,8 +322,8 @@ def build_engine_and_roles(config: JobConfig, device: torch.device
         # vLLM seeds torch with its own per-instance seed: reseed, or randomly initialised
         # data-parallel replicas would start from different weights.
         seed_everything(config.runtime.seed)
-        return engine, weight_sync, build_roles(config, device)
-    roles = build_roles(config, device)
+        return engine, weight_sync, build_roles(config, device, tokenizer)
+    roles = build_roles(config, device, tokenizer)
     engine = MegatronEngine(roles.actor.module, config.model, length, seed=config.runtime.seed)
     return engine, None, roles
 

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.algorithms.advantages import AdvantageInputs, compute_advantages
+from mcore_rl.algorithms.distillation import distilled_advantages, reverse_kl_advantages
 from mcore_rl.algorithms.kl import KLController, apply_kl_penalty, kl_estimate
 from mcore_rl.algorithms.reward_shaping import RewardShaper
 from mcore_rl.config import AlgorithmConfig
 from mcore_rl.config.rl import RolloutConfig
+from mcore_rl.config.teacher import TeacherConfig
 from mcore_rl.observability.step_metrics import SumsAndCounts
 from mcore_rl.rollout import Generation
 
@@ -150,7 +152,7 @@ def select_groups(rollouts: list[Rollout], kept: list[list[int]]) -> Rollout:
 def add_forward_passes(batch: dict, roles, old_logprobs: str = "trainer",
                        routing_replay: str = "none") -> dict[str, float]:
     """Old log-probs (an actor forward pass, or the engine's: rollout.old_logprobs), reference
-    log-probs and old values (critic) of the batch. A Mixture-of-Experts actor's pass also
+    and teacher log-probs and old values (critic) of the batch. A Mixture-of-Experts actor's pass also
     gives the step's MoE metrics (returned; identical on every rank) and, under r2, the routes
     the later passes replay."""
     metrics = {}
@@ -164,6 +166,8 @@ def add_forward_passes(batch: dict, roles, old_logprobs: str = "trainer",
             batch["routed_experts"] = outputs["routed_experts"]
     if roles.reference is not None:
         batch["ref_logprobs"] = roles.reference.logprobs(batch)
+    if roles.teacher is not None:
+        batch["teacher_logprobs"] = roles.teacher.logprobs(batch)
     if roles.critic is not None:
         batch["old_values"] = roles.critic.values(batch)
     return metrics
@@ -187,3 +191,19 @@ def add_advantages(batch: dict, algorithm: AlgorithmConfig, kl_controller: KLCon
                              group_ids=batch["group_ids"], values=batch.get("old_values"),
                              reward_baselines=batch.get("reward_baselines"))
     batch["advantages"], batch["returns"] = compute_advantages(inputs, algorithm, dp_group)
+
+
+def add_distillation(batch: dict, teacher: TeacherConfig, stats: SumsAndCounts) -> None:
+    """Mix the teacher's per-token advantage into the estimator's (teacher.kl_coef and
+    teacher.reward_weight); the reverse KL to the teacher, the teacher's log-probs and the
+    two parts' sizes go to stats."""
+    mask = batch["response_mask"].float()
+    student, teacher_logprobs = batch["old_logprobs"], batch["teacher_logprobs"]
+    task = batch["advantages"]
+    from_teacher = reverse_kl_advantages(student, teacher_logprobs, mask)
+    batch["advantages"] = distilled_advantages(task, from_teacher, teacher.reward_weight,
+                                               teacher.kl_coef)
+    stats.add("distill/reverse_kl", student - teacher_logprobs, mask)
+    stats.add("distill/teacher_logprob", teacher_logprobs, mask)
+    stats.add("distill/teacher_advantage_abs", (teacher.kl_coef * from_teacher).abs(), mask)
+    stats.add("distill/task_advantage_abs", (teacher.reward_weight * task).abs(), mask)

@@ -93,11 +93,17 @@ def off_policy_statistics(batch: dict, rollout: Rollout, step: int,
 
 
 def derived_metrics(metrics: dict) -> dict:
-    """Standard deviations, the advantage minimum and the critic's explained variance from the
-    reduced sums (helper entries removed)."""
+    """Standard deviations, the advantage minimum, the critic's explained variance and the
+    teacher's share of the advantage (its mean size over the sum of both parts' mean sizes)
+    from the reduced sums (helper entries removed)."""
     metrics["reward/std"] = math.sqrt(max(metrics.pop("reward/square")
                                           - metrics["reward/mean"] ** 2, 0.0))
     metrics["advantages/min"] = -metrics.pop("advantages/neg_min")
+    if "distill/teacher_advantage_abs" in metrics:
+        teacher = metrics.pop("distill/teacher_advantage_abs")
+        task = metrics.pop("distill/task_advantage_abs")
+        metrics["distill/advantage_share"] = teacher / (teacher + task) \
+            if teacher + task > 0 else float("nan")
     if "critic/returns_square" in metrics:
         returns_var = metrics.pop("critic/returns_square") - metrics["critic/returns_mean"] ** 2
         error_var = metrics.pop("critic/error_square") - metrics.pop("critic/error_mean") ** 2

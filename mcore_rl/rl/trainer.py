@@ -2,8 +2,8 @@
 
     rollout    = scheduler.next(step)             prompts -> engine (actor's weights, resharded)
                                                   -> samples -> scorer.score(samples)
-    old_logp, ref_logp, values = actor / reference / critic forward passes
-    advantages = estimator(rewards, values, groups)
+    old_logp, ref_logp, teacher_logp, values = actor / reference / teacher / critic passes
+    advantages = estimator(rewards, values, groups) [+ teacher's -(old_logp - teacher_logp)]
     for epoch, mini-batch: critic.update(mb); actor.update(mb)
     log(metrics); checkpoint.maybe_save(step)
 
@@ -51,8 +51,8 @@ from .build import (build_engine_and_roles, build_episode_runner, build_roles,
                     build_rule_reward, settled_config)
 from .data import load_training_data
 from .evaluator import RLEvaluator
-from .experience import (add_advantages, add_forward_passes, make_experience, mini_batches,
-                         shape_rewards)
+from .experience import (add_advantages, add_distillation, add_forward_passes,
+                         make_experience, mini_batches, shape_rewards)
 from .generator import PolicyGenerator
 from .rollout_scheduler import RolloutScheduler
 from .split.remote_rollouts import RemoteRollouts
@@ -129,7 +129,7 @@ class Trainer:
                                                               self.runtime, model_parallel,
                                                               self.dp_group)
         else:
-            self.roles = build_roles(config, self.runtime.device)
+            self.roles = build_roles(config, self.runtime.device, self.data.tokenizer)
             self.scheduler = RemoteRollouts(config, self.data, self.runtime.split,
                                             self.roles.actor)
         self.evaluator = RLEvaluator(config, self.data, self.scheduler.validation, self.roles,
@@ -173,6 +173,8 @@ class Trainer:
             stats.add(name, torch.tensor([value]))
         with timer("advantages"):
             add_advantages(batch, self.config.algorithm, self.kl_controller, self.dp_group, stats)
+            if self.roles.teacher is not None:
+                add_distillation(batch, self.config.teacher, stats)
         rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats,
                            mismatch=self.config.rollout.old_logprobs == "trainer")
         if self.config.rollout.multi_turn.enabled:
@@ -413,7 +415,7 @@ def _colocated_rollouts(config: JobConfig, data, reward_fn, runtime, model_paral
     these ranks, the rule rewards on the first rank of each model-parallel group."""
     rule_reward = build_rule_reward(config, data, reward_fn, is_scorer=dist.get_rank()
                                     == dist.get_process_group_ranks(model_parallel)[0])
-    engine, weight_sync, roles = build_engine_and_roles(config, runtime.device)
+    engine, weight_sync, roles = build_engine_and_roles(config, runtime.device, data.tokenizer)
     parkings = [HostParking(role.trainable) for role, role_config in
                 ((roles.actor, config.actor), (roles.critic, config.critic))
                 if role is not None and role_config.offload]

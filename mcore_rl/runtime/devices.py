@@ -15,6 +15,7 @@ device-discipline test makes them visible). The rules:
 
 from __future__ import annotations
 
+import os
 from typing import Mapping
 
 import torch
@@ -52,3 +53,12 @@ def cuda_device_index(local_rank: int, visible_gpus: int) -> int:
                            f"visible to it (CUDA_VISIBLE_DEVICES); start at most {visible_gpus} "
                            "ranks per node, or bind one GPU per task (srun --gpus-per-task=1)")
     return local_rank
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory one rank's models live in: the GPU's, or on a CPU the machine's physical
+    memory shared by the ranks of this machine (LOCAL_WORLD_SIZE, as torchrun sets it)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return physical // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ..models.logprobs import vocab_parallel_logprobs_and_entropy
 from ..models.moe_routing import RoutingPass
 from ..runtime.devices import collective_device, module_device, to_device
+from ..runtime.model_groups import ModelGroups
 from .batches import (Batch, align_to_tokens, check_batch, split_micro_batches,
                       token_budget_micro_batches)
 from .optimizer import TrainableModel
@@ -43,12 +44,10 @@ LossFn = Callable[[dict, Batch], tuple]
 
 
 def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
-                       vocab_size: int, temperature: float) -> dict:
+                       vocab_size: int, temperature: float, tp_group) -> dict:
     """Megatron's last-stage output [b, s', v_local or 1] for the last s' <= s positions ->
     token-aligned [b, s] tensors. Logits are divided by the sampling temperature (in fp32, as
     the engine does), so log-probs score the distribution the engine sampled from."""
-    from megatron.core import parallel_state
-
     mask = micro_batch["attention_mask"]
     first = mask.shape[1] - output.shape[1]
 
@@ -59,8 +58,7 @@ def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
         return {"values": aligned(output.squeeze(-1).float())}
     next_tokens = torch.roll(micro_batch["input_ids"], shifts=-1, dims=1)[:, first:]
     logprobs, entropy = vocab_parallel_logprobs_and_entropy(
-        output, next_tokens, vocab_size, parallel_state.get_tensor_model_parallel_group(),
-        temperature)
+        output, next_tokens, vocab_size, tp_group, temperature)
     return {"logprobs": aligned(logprobs), "entropy": aligned(entropy)}
 
 
@@ -92,8 +90,9 @@ def _output_layer_from(model, first: int):
         handle.remove()
 
 
-def _forward_step(head: str, vocab_size: int, temperature: float, loss_fn: LossFn | None,
-                  device: torch.device, routing: RoutingPass | None, data_iterator, model):
+def _forward_step(head: str, vocab_size: int, temperature: float, tp_group,
+                  loss_fn: LossFn | None, device: torch.device, routing: RoutingPass | None,
+                  data_iterator, model):
     micro_batch = next(data_iterator)
     first = _first_output_position(micro_batch)  # before the copy: no device sync
     micro_batch = to_device(micro_batch, device)
@@ -104,7 +103,8 @@ def _forward_step(head: str, vocab_size: int, temperature: float, loss_fn: LossF
         output = model(input_ids, positions, attention_mask=None)
 
     def loss_func(output_tensor, non_loss_data: bool = False):
-        outputs = _per_token_outputs(output_tensor, micro_batch, head, vocab_size, temperature)
+        outputs = _per_token_outputs(output_tensor, micro_batch, head, vocab_size, temperature,
+                                     tp_group)
         if non_loss_data:
             return {name: tensor.detach() for name, tensor in outputs.items()}
         numerator, denominator, metrics = loss_fn(outputs, micro_batch)
@@ -134,8 +134,9 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
 
 def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_size: int,
                   temperature: float, loss_fn: LossFn | None, forward_only: bool,
-                  routing: RoutingPass | None = None):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+                  routing: RoutingPass | None = None, groups: ModelGroups | None = None):
+    """Megatron's schedule over the model's pipeline: in Megatron's parallel state, or in
+    `groups` (a second model's own layout)."""
 
     if head == "lm" and vocab_size is None:
         raise ValueError("vocab_size (the real, unpadded vocabulary) is needed for an LM head")
@@ -143,9 +144,10 @@ def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_siz
         check_batch(micro_batch)
     # With variable shapes (a token budget) Megatron sends each shape ahead between stages.
     batch_size, seq_length = micro_batches[0]["input_ids"].shape
-    return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, head, vocab_size, temperature, loss_fn,
-                                  module_device(chunks[0]), routing),
+    schedule, tp_group = _schedule(chunks[0], groups)
+    return schedule(
+        forward_step_func=partial(_forward_step, head, vocab_size, temperature, tp_group,
+                                  loss_fn, module_device(chunks[0]), routing),
         data_iterator=iter(micro_batches),
         model=chunks,
         num_microbatches=len(micro_batches),
@@ -156,44 +158,74 @@ def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_siz
     )
 
 
-def _broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device) -> torch.Tensor:
+def _schedule(model, groups: ModelGroups | None):
+    """(forward_backward_func, TP group) of the model: Megatron's parallel state's, or with
+    `groups` the pipeline schedule over its own groups (its P2P communicator and its groups go
+    with every call)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if groups is None:
+        return get_forward_backward_func(), parallel_state.get_tensor_model_parallel_group()
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.utils import get_model_config
+
+    schedule = get_forward_backward_func(pp_size=groups.pp_size)
+    own = {"pg_collection": groups.collection}
+    if groups.pp_size > 1:
+        own["p2p_communicator"] = P2PCommunicator(groups.collection.pp, get_model_config(model))
+    return partial(schedule, **own), groups.collection.tp
+
+
+def _last_stage(groups: ModelGroups | None) -> bool:
     from megatron.core import parallel_state
 
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+    return groups.is_last_stage if groups else parallel_state.is_pipeline_last_stage()
+
+
+def _broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device,
+                               groups: ModelGroups | None) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    if groups is None:
+        group = parallel_state.get_pipeline_model_parallel_group()
+        source = parallel_state.get_pipeline_model_parallel_last_rank()
+    else:
+        group, source = groups.collection.pp, groups.last_stage_rank
+    if dist.get_world_size(group) == 1:
         return tensor
     if tensor is None:
         tensor = torch.empty(shape, dtype=torch.float32, device=device)
-    dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                   group=parallel_state.get_pipeline_model_parallel_group())
+    dist.broadcast(tensor, src=source, group=group)
     return tensor
 
 
 @torch.no_grad()
 def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str = "lm",
                     vocab_size: int | None = None, temperature: float = 1.0,
-                    max_tokens: int = 0, routing: RoutingPass | None = None) -> dict:
+                    max_tokens: int = 0, routing: RoutingPass | None = None,
+                    groups: ModelGroups | None = None) -> dict:
     """Forward-only per-token outputs for this rank's rows of `batch` (all PP stages get them).
     head="lm" gives {'logprobs', 'entropy'} (of logits / temperature); head="scalar" gives
     {'values'}; each [n, s] fp32. max_tokens > 0: token-budget micro-batches instead of
     `micro_batch_size` rows. routing: what an MoE model's routers do in this pass (with
-    keep_routes, the routes are kept by batch row)."""
-    from megatron.core import parallel_state
-
+    keep_routes, the routes are kept by batch row); groups: a second model's own layout
+    (runtime.model_groups) instead of Megatron's parallel state."""
     for chunk in chunks:
         chunk.eval()
     if routing is not None and routing.keep_routes:
         batch = dict(batch, row_ids=torch.arange(batch["input_ids"].shape[0]))
     micro_batches, order = _micro_batches(chunks, batch, micro_batch_size, max_tokens)
     per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None,
-                                    True, routing)
+                                    True, routing, groups)
     names = ("values",) if head == "scalar" else ("logprobs", "entropy")
     shape = tuple(batch["input_ids"].shape)
-    last_stage = parallel_state.is_pipeline_last_stage()
+    last_stage = _last_stage(groups)
     results = {}
     for name in names:
         local = _in_batch_order([out[name] for out in per_micro_batch], order, shape) \
             if last_stage else None
-        broadcast = _broadcast_from_last_stage(local, shape, module_device(chunks[0]))
+        broadcast = _broadcast_from_last_stage(local, shape, module_device(chunks[0]), groups)
         results[name] = broadcast.to(batch["input_ids"].device)
     return results
 

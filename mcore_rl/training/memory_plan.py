@@ -73,3 +73,31 @@ def training_memory(model: ModelConfig, lora: LoraConfig | None, model_parallel:
         reference = 0.0
     state = trained * 4 + trained * (TRAINED_BYTES - 4) / data_parallel
     return TrainingMemory(weights, state, reference)
+
+
+LOGIT_COPIES = 3
+"""fp32 [tokens, vocabulary / TP] tensors a scoring micro-batch holds at once: the logits, their
+exponentials and the log-softmax (models/logprobs.py)."""
+
+
+@dataclass(frozen=True)
+class ScoringMemory:
+    """Bytes per GPU a frozen scoring model (a teacher) needs while it scores."""
+
+    weights: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.logits
+
+
+def scoring_memory(model: ModelConfig, model_parallel: int, tp: int, weight_bytes: int,
+                   micro_batch_size: int, sequence_length: int) -> ScoringMemory:
+    """A frozen LM split over `model_parallel` (TP x PP) GPUs scoring micro-batches of
+    `micro_batch_size` sequences of `sequence_length` tokens (activations of one layer are
+    small beside the vocabulary's logits and not counted)."""
+    weights = model_parameters(model) * weight_bytes / model_parallel
+    logits = (micro_batch_size * sequence_length * model.padded_vocab_size(tp) / tp
+              * 4 * LOGIT_COPIES)
+    return ScoringMemory(weights, logits)

