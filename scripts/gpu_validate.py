@@ -318,6 +318,59 @@ def lora(args, check: Checks) -> dict:
             "step_seconds": [round(step["time/step"], 3) for step in history]}
 
 
+def distill(args, check: Checks) -> dict:
+    """Three steps of on-policy distillation (docs/distillation.md) from a wider, deeper random
+    teacher in its own layout (TP = the ranks), parked in host memory between its passes: the
+    teacher's groups, its NCCL collectives and its offload on the device; its log-probs of a
+    fixed batch against transformers'."""
+    folder = _toy_teacher(args)
+    overrides = [f"runtime.output_dir={args.workdir}/distill", "trainer.save_every=0",
+                 f"teacher.init.hf_path={folder}", "teacher.offload=true",
+                 f"teacher.parallel.tensor_model_parallel_size={_world()}"]
+    trainer = _toy_trainer(args, 3, extra=overrides)
+    history = trainer.fit()
+    input_ids = torch.randint(0, 16, (16, 10), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    teacher = trainer.roles.teacher.logprobs(batch)
+    device, precision = trainer.runtime.device, trainer.config.runtime.precision
+    trainer.close()
+    check(len(history) == 3 and all(math.isfinite(step["actor/loss"]) for step in history),
+          "three finite steps")
+    check(all(math.isfinite(step["distill/reverse_kl"]) for step in history),
+          "the reverse KL to the teacher is finite")
+    figures = {"precision": precision, "peak_mb": _peak_mb(history),
+               "reverse_kl": [round(step["distill/reverse_kl"], 3) for step in history],
+               "step_seconds": [round(step["time/step"], 3) for step in history]}
+    if _rank() == 0:
+        figures["teacher_vs_hf"] = float((teacher - _hf_logprobs(folder, input_ids, device))
+                                         [:, 1:].abs().max())
+        tolerance = 1e-4 if precision == "fp32" else 0.1
+        check(figures["teacher_vs_hf"] <= tolerance,
+              f"the teacher's log-probs match transformers' within {tolerance}")
+    return figures
+
+
+def _toy_teacher(args) -> str:
+    """A random HF Llama wider and deeper than the toy student (hidden 256, 3 layers, GQA) with
+    the toy tokenizer, written by rank 0."""
+    import transformers
+    from mcore_rl.data import write_toy_tokenizer
+
+    folder = os.path.join(args.workdir, "toy_teacher")
+    if _rank() == 0 and not os.path.isdir(folder):
+        config = transformers.LlamaConfig(
+            vocab_size=16, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            tie_word_embeddings=False)
+        torch.manual_seed(1)
+        transformers.LlamaForCausalLM(config).save_pretrained(folder + ".incomplete")
+        write_toy_tokenizer(folder + ".incomplete")
+        os.replace(folder + ".incomplete", folder)
+    while not os.path.isdir(folder):
+        time.sleep(0.2)
+    return folder
+
+
 def _peak_mb(history: list[dict]) -> float:
     """The run's peak memory figure (device memory on GPUs, resident memory on CPU)."""
     return round(max(value for step in history for name, value in step.items()
@@ -347,7 +400,7 @@ def _toy_trainer(args, total_steps: int, config: str = "grpo_toy.yaml",
 
 STAGES = {"preflight": preflight, "smoke": smoke, "performance": performance,
           "offload": offload, "parity": parity, "rl": rl, "resume": resume, "moe": moe,
-          "lora": lora}
+          "lora": lora, "distill": distill}
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -8,8 +8,8 @@
 #   scripts/gpu_validate.sh --stages parity,rl  # some stages
 #   scripts/gpu_validate.sh --cpu --tiny        # on a CPU machine, tiny models (CI runs this)
 #
-# Stages: preflight smoke performance offload parity rl resume moe lora (docs/gpu.md says what each
-# checks; resume continues the run rl saved).
+# Stages: preflight smoke performance offload parity rl resume moe lora distill (docs/gpu.md says
+# what each checks; resume continues the run rl saved).
 # Results go to $GPU_VALIDATE_OUT (default gpu_validate_results/): results.jsonl and a log per
 # stage. A machine with only torch and transformers needs megatron-core and omegaconf: put their
 # wheels in .whl/ (scripts/gpu_wheels.sh downloads them where pip works); when those two do not
@@ -17,7 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES="preflight,smoke,performance,offload,parity,rl,resume,moe,lora"
+STAGES="preflight,smoke,performance,offload,parity,rl,resume,moe,lora,distill"
 GPUS=1
 FLAGS=()
 while [ $# -gt 0 ]; do
@@ -57,7 +57,7 @@ else
 fi
 
 declare -A LIMIT=([preflight]=120 [smoke]=180 [performance]=300 [offload]=240 [parity]=240
-                  [rl]=300 [resume]=300 [moe]=300 [lora]=300)
+                  [rl]=300 [resume]=300 [moe]=300 [lora]=300 [distill]=300)
 for stage in ${STAGES//,/ }; do
   [ -n "${LIMIT[$stage]:-}" ] || { echo "unknown stage $stage" >&2; exit 2; }
   echo "== $stage (at most ${LIMIT[$stage]} s; log $OUT/$stage.log)"

@@ -10,7 +10,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ["preflight", "smoke", "performance", "offload", "parity", "rl", "resume", "moe",
-          "lora"]
+          "lora", "distill"]
 
 
 def test_every_stage_passes_on_cpu(tmp_path):
