@@ -133,3 +133,85 @@ def test_metrics(runs):
                                                                    abs=1e-5)
         assert metrics["distill/advantage_share"] == pytest.approx(
             float(from_teacher / (from_teacher + from_task)), abs=1e-5)
+
+
+# -- bad input: refused before anything is built ------------------------------------------------
+
+def test_a_different_vocabulary_is_refused_by_token(models, tmp_path):
+    """A teacher whose tokenizer maps tokens to other ids is refused, naming the tokens."""
+    from transformers import AutoTokenizer
+
+    from mcore_rl.config import InitConfig
+    from mcore_rl.data.toy import TOY_VOCAB, write_word_tokenizer
+    from mcore_rl.rl.build import teacher_tokenizer_problems
+
+    _, tokenizer, _, teacher = models
+    student_tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    assert teacher_tokenizer_problems(InitConfig(hf_path=teacher), student_tokenizer) == []
+    swapped = (*TOY_VOCAB[:-2], TOY_VOCAB[-1], TOY_VOCAB[-2])
+    other = write_word_tokenizer(str(tmp_path / "other"), swapped)
+    problems = teacher_tokenizer_problems(InitConfig(hf_path=other), student_tokenizer)
+    assert len(problems) == 1
+    for token in TOY_VOCAB[-2:]:
+        assert repr(token) in problems[0]
+    assert "id 14 in the student's tokenizer and id 15 in the teacher's" in problems[0]
+    no_tokenizer = teacher_tokenizer_problems(InitConfig(checkpoint=str(tmp_path)),
+                                              student_tokenizer)
+    assert "no tokenizer" in no_tokenizer[0]
+
+
+def test_a_teacher_too_large_for_the_device_is_refused():
+    """Llama-3-70B as the teacher of Llama-3-8B (TP8) on 8 GPUs of 80 GiB: 131 GiB of bf16
+    weights on each GPU do not fit, and the message says what to raise; at TP8 they fit."""
+    from mcore_rl.config import ModelConfig, load_config
+    from mcore_rl.rl.build import teacher_memory_problems
+
+    teacher = ModelConfig(num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
+                          num_attention_heads=64, num_kv_heads=8, vocab_size=128256,
+                          max_position_embeddings=8192)
+    gpu = 80 * 2 ** 30
+    for teacher_tp, fits in ((1, False), (8, True)):
+        config = load_config("configs/models/llama3-8b.yaml", [
+            "runtime.precision=bf16", "parallel.tensor_model_parallel_size=8",
+            "teacher.init.hf_path=/teacher",
+            f"teacher.parallel.tensor_model_parallel_size={teacher_tp}"])
+        problems = teacher_memory_problems(config, teacher, 2, gpu, 8)
+        assert problems == [] if fits else (
+            len(problems) == 1 and "does not fit" in problems[0]
+            and "raise teacher.parallel.tensor_model_parallel_size" in problems[0])
+
+
+def test_teacher_layout_rules_name_the_field():
+    """The teacher's layout must divide the ranks that train: in split placement those are the
+    trainer ranks (the teacher never lives on the rollout side)."""
+    from mcore_rl.config import ConfigError, load_config, validate_rl
+
+    overrides = ["teacher.init.hf_path=/teacher", "placement.rollout_ranks=2",
+                 "teacher.parallel.tensor_model_parallel_size=4", "rollout.prompts_per_step=16"]
+    with pytest.raises(ConfigError, match=r"teacher.parallel: TP 4 x PP 1 must divide the 2 "
+                                          r"trainer ranks \(placement.rollout_ranks=2"):
+        validate_rl(load_config("configs/grpo_toy.yaml", overrides), 4)
+    with pytest.raises(ConfigError, match="teacher.kl_coef=-1.0"):
+        validate_rl(load_config("configs/grpo_toy.yaml", ["teacher.init.hf_path=/teacher",
+                                                          "teacher.kl_coef=-1"]), 2)
+
+
+def test_pure_distillation_needs_no_reward_function():
+    """teacher.reward_weight=0: data sources without a reward function score 0 instead of
+    being refused; with a reward weight they are refused as in RL."""
+    from mcore_rl.config import load_config
+    from mcore_rl.rewards import FunctionTable
+    from mcore_rl.rewards.unscored import UNSCORED, unscored
+    from mcore_rl.rl.build import _reward_config
+
+    def table(weight: float) -> FunctionTable:
+        return FunctionTable.from_config(_reward_config(load_config(
+            "configs/grpo_toy.yaml", ["teacher.init.hf_path=/teacher",
+                                      f"teacher.reward_weight={weight}"])))
+
+    table(0.0).check_data_sources({"my/unscored_task"})
+    assert table(0.0).path_for("my/unscored_task") == UNSCORED
+    assert unscored("my/unscored_task", "any answer", None, {}) == 0.0
+    assert table(0.0).path_for("toy/copy") != UNSCORED  # a rule still checks what it can
+    with pytest.raises(ValueError, match="no reward function for data_source 'my/unscored_task'"):
+        table(0.5).check_data_sources({"my/unscored_task"})

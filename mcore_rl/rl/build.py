@@ -31,6 +31,7 @@ from mcore_rl.resharding.layouts import DEFAULT_ORDER, TrainingLayout, layout_or
 from mcore_rl.resharding.plan import ReshardPlan
 from mcore_rl.resharding.rank_order import choose_training_order
 from mcore_rl.rewards import FunctionTable, RuleRewards
+from mcore_rl.rewards.unscored import UNSCORED
 from mcore_rl.roles import Actor, Critic, Reference, RewardModel, RuleReward, Teacher
 from mcore_rl.runtime import LaunchEnv, print0, seed_everything
 from mcore_rl.runtime.agreement import raise_on_any_rank
@@ -107,8 +108,9 @@ def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher
     problems = [f"the teacher's {problem}" for problem in model.check(tp, pp)]
     if model.moe.enabled:
         problems.append("a Mixture-of-Experts teacher is not supported yet (dense teachers only)")
-    problems += _teacher_tokenizer_problems(settings.init, tokenizer)
-    problems += _teacher_memory_problems(config, model, tp, pp, micro_batch_size, device)
+    problems += teacher_tokenizer_problems(settings.init, tokenizer)
+    problems += teacher_memory_problems(config, model, micro_batch_size,
+                                        device_memory_bytes(device), dist.get_world_size())
     if problems:
         source = settings.init.hf_path or settings.init.checkpoint
         raise ConfigError(f"teacher.init={source}: " + "; ".join(problems))
@@ -121,7 +123,7 @@ def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher
                    parallel_state.get_data_parallel_rank())
 
 
-def _teacher_tokenizer_problems(init: InitConfig, tokenizer) -> list[str]:
+def teacher_tokenizer_problems(init: InitConfig, tokenizer) -> list[str]:
     """Why the teacher's tokenizer is not the student's `tokenizer` (the same token ids), if it
     is not: the teacher scores the student's token ids as its own."""
     folder = tokenizer_folder(init)
@@ -141,30 +143,34 @@ def _teacher_tokenizer_problems(init: InitConfig, tokenizer) -> list[str]:
             "tokenizer): " + ", ".join(differences)]
 
 
-def _teacher_memory_problems(config: JobConfig, model, tp: int, pp: int,
-                             micro_batch_size: int, device: torch.device) -> list[str]:
-    """The teacher's weights and one micro-batch's logits per device, beside the student's
-    training state (resident while the teacher scores), against the device's memory; said on
-    rank 0 either way."""
+def teacher_memory_problems(config: JobConfig, model, micro_batch_size: int,
+                            available: int, world_size: int) -> list[str]:
+    """The teacher's (`model`'s) weights and one micro-batch's logits per device, beside the
+    student's training state (resident while the teacher scores), against the `available`
+    bytes of one device; said on rank 0 either way."""
+    parallel = config.parallel
+    tp, pp = config.teacher.layout(parallel.tensor_model_parallel_size,
+                                   parallel.pipeline_model_parallel_size)
     weight_bytes = DTYPES[config.runtime.precision].itemsize
     need = scoring_memory(model, tp * pp, tp, weight_bytes, micro_batch_size,
                           config.sequence_length())
-    parallel = config.parallel
-    trainers = config.placement.trainer_ranks(dist.get_world_size())
+    trainers = config.placement.trainer_ranks(world_size)
     student = training_memory(config.model, config.actor.lora, parallel.model_parallel_size,
                               trainers // parallel.model_parallel_size, weight_bytes,
                               config.algorithm.needs_reference).total
-    available = device_memory_bytes(device)
-    gib = 2 ** 30
-    summary = (f"teacher: {need.weights / gib:.2f} GiB of weights per device (TP {tp} x PP "
-               f"{pp}) + {need.logits / gib:.2f} GiB of logits per micro-batch of "
-               f"{micro_batch_size}, beside the student's {student / gib:.2f} GiB of training "
-               f"state, of the device's {available / gib:.1f} GiB")
+    summary = (f"teacher: {_gib(need.weights)} of weights per device (TP {tp} x PP {pp}) + "
+               f"{_gib(need.logits)} of logits per micro-batch of {micro_batch_size}, beside "
+               f"the student's {_gib(student)} of training state, of the device's "
+               f"{_gib(available)}")
     print0(summary)
     if need.total + student <= available:
         return []
     return [f"it does not fit: {summary}; raise teacher.parallel.tensor_model_parallel_size "
             f"or pipeline_model_parallel_size, or lower teacher.micro_batch_size"]
+
+
+def _gib(size: float) -> str:
+    return f"{size / 2 ** 30:.3g} GiB"
 
 
 def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_scorer: bool
@@ -179,13 +185,23 @@ def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_score
         return None
     if is_scorer:
         try:
-            rewards = RuleRewards(config.reward, reward_fn)
+            rewards = RuleRewards(_reward_config(config), reward_fn)
             reward = RuleReward(rewards, data.tokenizer)
             rewards.check_data_sources({r.data_source for r in data.records + data.validation})
         except ValueError as error:
             problems.append(str(error))
     raise_on_any_rank(problems, ConfigError, "reward: ")
     return reward
+
+
+def _reward_config(config: JobConfig):
+    """reward.*, where pure distillation (teacher.reward_weight=0) scores data sources without
+    a reward function 0 (rewards.unscored) instead of refusing them, unless
+    reward.default_function says otherwise."""
+    reward, teacher = config.reward, config.teacher
+    if not teacher.enabled or teacher.reward_weight or reward.default_function:
+        return reward
+    return dataclasses.replace(reward, default_function=UNSCORED)
 
 
 def build_episode_runner(config: JobConfig, data: TrainingData
