@@ -10,16 +10,19 @@ from mcore_rl.data.toy import write_word_tokenizer
 
 
 def write_tiny_llama(folder: str, vocabulary: tuple[str, ...], seed: int = 0,
-                     chat_template: str | None = None) -> str:
+                     chat_template: str | None = None, hidden_size: int = 128,
+                     num_layers: int = 2) -> str:
     """LlamaForCausalLM (2 layers, hidden 128, head_dim 64, the smallest vLLM's CPU attention
-    takes) with random weights and a word-level tokenizer over `vocabulary` (with
-    `chat_template`), written to `folder` (staged, renamed when complete)."""
+    takes; wider and deeper by argument, heads growing with the width) with random weights and
+    a word-level tokenizer over `vocabulary` (with `chat_template`), written to `folder`
+    (staged, renamed when complete)."""
     import torch
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=len(vocabulary), hidden_size=128, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=len(vocabulary), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64,
+        num_key_value_heads=2,
         max_position_embeddings=64, tie_word_embeddings=False,
         pad_token_id=vocabulary.index("<pad>"), eos_token_id=vocabulary.index("<eos>"),
         bos_token_id=None)
