@@ -152,9 +152,9 @@ def select_groups(rollouts: list[Rollout], kept: list[list[int]]) -> Rollout:
 def add_forward_passes(batch: dict, roles, old_logprobs: str = "trainer",
                        routing_replay: str = "none") -> dict[str, float]:
     """Old log-probs (an actor forward pass, or the engine's: rollout.old_logprobs), reference
-    and teacher log-probs and old values (critic) of the batch. A Mixture-of-Experts actor's pass also
-    gives the step's MoE metrics (returned; identical on every rank) and, under r2, the routes
-    the later passes replay."""
+    and teacher log-probs and old values (critic) of the batch. A Mixture-of-Experts actor's
+    pass also gives the step's MoE metrics (returned; identical on every rank) and, under r2,
+    the routes the later passes replay."""
     metrics = {}
     if old_logprobs == "engine":
         batch["old_logprobs"] = batch["engine_logprobs"]
