@@ -143,7 +143,7 @@ def test_a_different_vocabulary_is_refused_by_token(models, tmp_path):
 
     from mcore_rl.config import InitConfig
     from mcore_rl.data.toy import TOY_VOCAB, write_word_tokenizer
-    from mcore_rl.rl.build import teacher_tokenizer_problems
+    from mcore_rl.rl.distillation import teacher_tokenizer_problems
 
     _, tokenizer, _, teacher = models
     student_tokenizer = AutoTokenizer.from_pretrained(tokenizer)
@@ -164,7 +164,7 @@ def test_a_teacher_too_large_for_the_device_is_refused():
     """Llama-3-70B as the teacher of Llama-3-8B (TP8) on 8 GPUs of 80 GiB: 131 GiB of bf16
     weights on each GPU do not fit, and the message says what to raise; at TP8 they fit."""
     from mcore_rl.config import ModelConfig, load_config
-    from mcore_rl.rl.build import teacher_memory_problems
+    from mcore_rl.rl.distillation import teacher_memory_problems
 
     teacher = ModelConfig(num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
                           num_attention_heads=64, num_kv_heads=8, vocab_size=128256,
@@ -202,10 +202,10 @@ def test_pure_distillation_needs_no_reward_function():
     from mcore_rl.config import load_config
     from mcore_rl.rewards import FunctionTable
     from mcore_rl.rewards.unscored import UNSCORED, unscored
-    from mcore_rl.rl.build import _reward_config
+    from mcore_rl.rl.distillation import reward_config
 
     def table(weight: float) -> FunctionTable:
-        return FunctionTable.from_config(_reward_config(load_config(
+        return FunctionTable.from_config(reward_config(load_config(
             "configs/grpo_toy.yaml", ["teacher.init.hf_path=/teacher",
                                       f"teacher.reward_weight={weight}"])))
 

@@ -18,32 +18,28 @@ from mcore_rl.agents import (ChatFormat, EpisodeRunner, EpisodeSpec, environment
                              function_tools, tool_schemas)
 from mcore_rl.algorithms import unregistered_names
 from mcore_rl.checkpoint.base_identity import base_identity
-from mcore_rl.config import ConfigError, InitConfig, JobConfig, ParallelConfig, validate_rl
+from mcore_rl.config import ConfigError, InitConfig, JobConfig, validate_rl
 from mcore_rl.config.parallel import AUTO_ORDER
 from mcore_rl.conversion.export import hf_architecture
-from mcore_rl.conversion.model_source import model_of_init, with_model_from_init
-from mcore_rl.data.tokenizer import tokenizer_folder, vocabulary_differences
+from mcore_rl.conversion.model_source import with_model_from_init
 from mcore_rl.models import DTYPES, build_gpt_model
-from mcore_rl.models.pretrained import build_from_init, build_frozen_from_init, copy_of_stage
+from mcore_rl.models.pretrained import build_from_init, copy_of_stage
 from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.resharding.layouts import DEFAULT_ORDER, TrainingLayout, layout_order
 from mcore_rl.resharding.plan import ReshardPlan
 from mcore_rl.resharding.rank_order import choose_training_order
 from mcore_rl.rewards import FunctionTable, RuleRewards
-from mcore_rl.rewards.unscored import UNSCORED
 from mcore_rl.roles import Actor, Critic, Reference, RewardModel, RuleReward, Teacher
 from mcore_rl.runtime import LaunchEnv, print0, seed_everything
 from mcore_rl.runtime.agreement import raise_on_any_rank
-from mcore_rl.runtime.devices import device_memory_bytes
-from mcore_rl.runtime.model_groups import build_model_groups
 from mcore_rl.runtime.transport import Transport
 from mcore_rl.rollout import MegatronEngine, RolloutEngine
 from mcore_rl.training import make_trainable
-from mcore_rl.training.memory_plan import scoring_memory, training_memory
 
 from .api import with_actor_model
 from .data import TrainingData
+from .distillation import build_teacher, reward_config
 from .weight_sync import WeightSync
 
 
@@ -94,85 +90,6 @@ def build_roles(config: JobConfig, device: torch.device, tokenizer=None) -> Role
     return Roles(actor, critic, reference, reward_model, teacher)
 
 
-def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher:
-    """The frozen teacher in its own layout (teacher.parallel), after checking on every rank,
-    before anything is built, that it shares the student's tokenizer, fits that layout and
-    fits the device's memory beside the student's training state."""
-    from megatron.core import parallel_state
-
-    settings = config.teacher
-    model = model_of_init(settings.init, "teacher.init")
-    tp, pp = settings.layout(config.parallel.tensor_model_parallel_size,
-                             config.parallel.pipeline_model_parallel_size)
-    micro_batch_size = settings.micro_batch_size or config.actor.micro_batch_size
-    problems = [f"the teacher's {problem}" for problem in model.check(tp, pp)]
-    if model.moe.enabled:
-        problems.append("a Mixture-of-Experts teacher is not supported yet (dense teachers only)")
-    problems += teacher_tokenizer_problems(settings.init, tokenizer)
-    problems += teacher_memory_problems(config, model, micro_batch_size,
-                                        device_memory_bytes(device), dist.get_world_size())
-    if problems:
-        source = settings.init.hf_path or settings.init.checkpoint
-        raise ConfigError(f"teacher.init={source}: " + "; ".join(problems))
-    groups = build_model_groups(tp, pp, config.runtime.collective_timeout_minutes)
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    module = build_frozen_from_init(settings.init, model, parallel, config.runtime.precision,
-                                    groups, device)
-    return Teacher(module, groups, model.vocab_size, micro_batch_size,
-                   config.rollout.sampling.temperature, settings.offload,
-                   parallel_state.get_data_parallel_rank())
-
-
-def teacher_tokenizer_problems(init: InitConfig, tokenizer) -> list[str]:
-    """Why the teacher's tokenizer is not the student's `tokenizer` (the same token ids), if it
-    is not: the teacher scores the student's token ids as its own."""
-    folder = tokenizer_folder(init)
-    if folder is None:
-        return ["it has no tokenizer (an mcore_rl checkpoint keeps one in tokenizer/) to check "
-                "against the student's"]
-    from transformers import AutoTokenizer
-    try:
-        theirs = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as error:
-        return [f"its tokenizer in {folder} cannot be loaded ({error})"]
-    differences = vocabulary_differences(tokenizer, theirs, ("the student's tokenizer",
-                                                             "the teacher's"))
-    if not differences:
-        return []
-    return ["its vocabulary is not the student's (the teacher must use the student's "
-            "tokenizer): " + ", ".join(differences)]
-
-
-def teacher_memory_problems(config: JobConfig, model, micro_batch_size: int,
-                            available: int, world_size: int) -> list[str]:
-    """The teacher's (`model`'s) weights and one micro-batch's logits per device, beside the
-    student's training state (resident while the teacher scores), against the `available`
-    bytes of one device; said on rank 0 either way."""
-    parallel = config.parallel
-    tp, pp = config.teacher.layout(parallel.tensor_model_parallel_size,
-                                   parallel.pipeline_model_parallel_size)
-    weight_bytes = DTYPES[config.runtime.precision].itemsize
-    need = scoring_memory(model, tp * pp, tp, weight_bytes, micro_batch_size,
-                          config.sequence_length())
-    trainers = config.placement.trainer_ranks(world_size)
-    student = training_memory(config.model, config.actor.lora, parallel.model_parallel_size,
-                              trainers // parallel.model_parallel_size, weight_bytes,
-                              config.algorithm.needs_reference).total
-    summary = (f"teacher: {_gib(need.weights)} of weights per device (TP {tp} x PP {pp}) + "
-               f"{_gib(need.logits)} of logits per micro-batch of {micro_batch_size}, beside "
-               f"the student's {_gib(student)} of training state, of the device's "
-               f"{_gib(available)}")
-    print0(summary)
-    if need.total + student <= available:
-        return []
-    return [f"it does not fit: {summary}; raise teacher.parallel.tensor_model_parallel_size "
-            f"or pipeline_model_parallel_size, or lower teacher.micro_batch_size"]
-
-
-def _gib(size: float) -> str:
-    return f"{size / 2 ** 30:.3g} GiB"
-
-
 def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_scorer: bool
                       ) -> RuleReward | None:
     """The rule rewards on the ranks that score (the first of each model-parallel group), after
@@ -185,23 +102,13 @@ def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_score
         return None
     if is_scorer:
         try:
-            rewards = RuleRewards(_reward_config(config), reward_fn)
+            rewards = RuleRewards(reward_config(config), reward_fn)
             reward = RuleReward(rewards, data.tokenizer)
             rewards.check_data_sources({r.data_source for r in data.records + data.validation})
         except ValueError as error:
             problems.append(str(error))
     raise_on_any_rank(problems, ConfigError, "reward: ")
     return reward
-
-
-def _reward_config(config: JobConfig):
-    """reward.*, where pure distillation (teacher.reward_weight=0) scores data sources without
-    a reward function 0 (rewards.unscored) instead of refusing them, unless
-    reward.default_function says otherwise."""
-    reward, teacher = config.reward, config.teacher
-    if not teacher.enabled or teacher.reward_weight or reward.default_function:
-        return reward
-    return dataclasses.replace(reward, default_function=UNSCORED)
 
 
 def build_episode_runner(config: JobConfig, data: TrainingData

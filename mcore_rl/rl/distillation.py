@@ -1,0 +1,114 @@
+"""What on-policy distillation adds to an RL job's build: the teacher, checked before it is
+built (tokenizer, layout, memory), and the rewards of pure distillation (docs/distillation.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.config import ConfigError, InitConfig, JobConfig, ParallelConfig
+from mcore_rl.config.reward import RewardConfig
+from mcore_rl.conversion.model_source import model_of_init
+from mcore_rl.data.tokenizer import tokenizer_folder, vocabulary_differences
+from mcore_rl.models import DTYPES
+from mcore_rl.models.pretrained import build_frozen_from_init
+from mcore_rl.rewards.unscored import UNSCORED
+from mcore_rl.roles import Teacher
+from mcore_rl.runtime import print0
+from mcore_rl.runtime.devices import device_memory_bytes
+from mcore_rl.runtime.model_groups import build_model_groups
+from mcore_rl.training.memory_plan import scoring_memory, training_memory
+
+
+def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher:
+    """The frozen teacher in its own layout (teacher.parallel), after checking on every rank,
+    before anything is built, that it shares the student's tokenizer, fits that layout and
+    fits the device's memory beside the student's training state."""
+    from megatron.core import parallel_state
+
+    if tokenizer is None:
+        raise ValueError("a teacher needs the student's tokenizer to be checked against")
+    settings = config.teacher
+    model = model_of_init(settings.init, "teacher.init")
+    tp, pp = settings.layout(config.parallel.tensor_model_parallel_size,
+                             config.parallel.pipeline_model_parallel_size)
+    micro_batch_size = settings.micro_batch_size or config.actor.micro_batch_size
+    problems = [f"the teacher's {problem}" for problem in model.check(tp, pp)]
+    if model.moe.enabled:
+        problems.append("a Mixture-of-Experts teacher is not supported yet (dense teachers only)")
+    problems += teacher_tokenizer_problems(settings.init, tokenizer)
+    problems += teacher_memory_problems(config, model, micro_batch_size,
+                                        device_memory_bytes(device), dist.get_world_size())
+    if problems:
+        source = settings.init.hf_path or settings.init.checkpoint
+        raise ConfigError(f"teacher.init={source}: " + "; ".join(problems))
+    groups = build_model_groups(tp, pp, config.runtime.collective_timeout_minutes)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    module = build_frozen_from_init(settings.init, model, parallel, config.runtime.precision,
+                                    groups, device)
+    return Teacher(module, groups, model.vocab_size, micro_batch_size,
+                   config.rollout.sampling.temperature, settings.offload,
+                   parallel_state.get_data_parallel_rank())
+
+
+def teacher_tokenizer_problems(init: InitConfig, tokenizer) -> list[str]:
+    """Why the teacher's tokenizer is not the student's `tokenizer` (the same token ids), if it
+    is not: the teacher scores the student's token ids as its own."""
+    folder = tokenizer_folder(init)
+    if folder is None:
+        return ["it has no tokenizer (an mcore_rl checkpoint keeps one in tokenizer/) to check "
+                "against the student's"]
+    from transformers import AutoTokenizer
+    try:
+        theirs = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        return [f"its tokenizer in {folder} cannot be loaded ({error})"]
+    differences = vocabulary_differences(tokenizer, theirs, ("the student's tokenizer",
+                                                             "the teacher's"))
+    if not differences:
+        return []
+    return ["its vocabulary is not the student's (the teacher must use the student's "
+            "tokenizer): " + ", ".join(differences)]
+
+
+def teacher_memory_problems(config: JobConfig, model, micro_batch_size: int,
+                            available: int, world_size: int) -> list[str]:
+    """The teacher's (`model`'s) weights and one micro-batch's logits per device, beside the
+    student's training state (resident while the teacher scores), against the `available`
+    bytes of one device; said on rank 0 either way."""
+    parallel = config.parallel
+    tp, pp = config.teacher.layout(parallel.tensor_model_parallel_size,
+                                   parallel.pipeline_model_parallel_size)
+    weight_bytes = DTYPES[config.runtime.precision].itemsize
+    need = scoring_memory(model, tp * pp, tp, weight_bytes, micro_batch_size,
+                          config.sequence_length())
+    trainers = config.placement.trainer_ranks(world_size)
+    student = training_memory(config.model, config.actor.lora, parallel.model_parallel_size,
+                              trainers // parallel.model_parallel_size, weight_bytes,
+                              config.algorithm.needs_reference).total
+    summary = (f"teacher: {_gib(need.weights)} of weights per device (TP {tp} x PP {pp}) + "
+               f"{_gib(need.logits)} of logits per micro-batch of {micro_batch_size}, beside "
+               f"the student's {_gib(student)} of training state, of the device's "
+               f"{_gib(available)}")
+    print0(summary)
+    if need.total + student <= available:
+        return []
+    return [f"it does not fit: {summary}; raise teacher.parallel.tensor_model_parallel_size "
+            f"or pipeline_model_parallel_size, or lower teacher.micro_batch_size"]
+
+
+def _gib(size: float) -> str:
+    return f"{size / 2 ** 30:.3g} GiB"
+
+
+def reward_config(config: JobConfig) -> RewardConfig:
+    """reward.*, where pure distillation (teacher.reward_weight=0) scores data sources without
+    a reward function 0 (rewards.unscored) instead of refusing them, unless
+    reward.default_function says otherwise."""
+    reward, teacher = config.reward, config.teacher
+    if not teacher.enabled or teacher.reward_weight or reward.default_function:
+        return reward
+    return dataclasses.replace(reward, default_function=UNSCORED)
