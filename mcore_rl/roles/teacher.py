@@ -47,10 +47,10 @@ class Teacher:
         pooled, rows = pool_rows(inputs, self.student_shard, self.groups.model_parallel)
         if self.offload:
             self.module.to(self.device)
-        logprobs = compute_outputs([self.module], whole_micro_batches(pooled,
-                                                                      self.micro_batch_size),
-                                   self.micro_batch_size, "lm", self.vocab_size,
-                                   self.temperature, groups=self.groups)["logprobs"]
+        scored = whole_micro_batches(pooled, self.micro_batch_size)
+        logprobs = compute_outputs([self.module], scored, self.micro_batch_size, "lm",
+                                   self.vocab_size, self.temperature,
+                                   groups=self.groups)["logprobs"]
         if self.offload:
             self.module.to("cpu")
         return logprobs[rows, :inputs["input_ids"].shape[1]]
