@@ -18,7 +18,7 @@ from .toy import write_toy_tokenizer
 def load_tokenizer(config: JobConfig):
     """data.tokenizer, else the initial HF folder's or checkpoint's; the toy task alone brings
     its own (rank 0 writes it; collective)."""
-    path = config.data.tokenizer or config.init.hf_path or _checkpoint_tokenizer(config)
+    path = config.data.tokenizer or tokenizer_folder(config.init)
     if not path and _only_toy_prompts(config):
         path = os.path.join(config.runtime.output_dir, "toy_tokenizer")
         if dist.get_rank() == 0:
@@ -39,10 +39,6 @@ def pad_id(tokenizer) -> int:
     """The id padding rows are filled with: the tokenizer's pad token, else its EOS."""
     pad = tokenizer.pad_token_id
     return tokenizer.eos_token_id if pad is None else pad
-
-
-def _checkpoint_tokenizer(config: JobConfig) -> str | None:
-    return tokenizer_folder(InitConfig(checkpoint=config.init.checkpoint))
 
 
 def tokenizer_folder(init: InitConfig) -> str | None:
