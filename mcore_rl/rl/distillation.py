@@ -84,7 +84,7 @@ def teacher_memory_problems(config: JobConfig, model, micro_batch_size: int,
     tp, pp = config.teacher.layout(parallel.tensor_model_parallel_size,
                                    parallel.pipeline_model_parallel_size)
     weight_bytes = DTYPES[config.runtime.precision].itemsize
-    need = scoring_memory(model, tp * pp, tp, weight_bytes, micro_batch_size,
+    need = scoring_memory(model, tp, pp, weight_bytes, micro_batch_size,
                           config.sequence_length())
     student = training_memory(config.model, config.actor.lora, parallel.model_parallel_size,
                               trainers // parallel.model_parallel_size, weight_bytes,

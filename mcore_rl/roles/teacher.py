@@ -28,13 +28,17 @@ class Teacher:
         teacher's real vocabulary; temperature: the student's sampling temperature (both
         models' log-probs are of logits / temperature, so a teacher equal to the student is at
         KL 0); student_shard: this rank's data-parallel rank in the student's layout (which
-        rows of the batch it holds)."""
+        rows of the batch it holds). Collective over the teacher's model-parallel group: each
+        rank learns the student shards of the others once."""
         self.module = module
         self.groups = groups
         self.vocab_size = vocab_size
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature if temperature > 0 else 1.0
         self.student_shard = student_shard
+        self.group_shards = [None] * dist.get_world_size(groups.model_parallel)
+        """The student shard of each rank holding this copy of the teacher."""
+        dist.all_gather_object(self.group_shards, student_shard, group=groups.model_parallel)
         self.device = next(module.parameters()).device
         self.offload = offload and self.device.type != "cpu"
         if self.offload:
@@ -44,7 +48,8 @@ class Teacher:
         """[n, s] log-probs of this rank's rows of `batch` under the teacher (collective over
         every rank: each teacher copy scores the rows of its ranks)."""
         inputs = scoring_inputs(batch)
-        pooled, rows = pool_rows(inputs, self.student_shard, self.groups.model_parallel)
+        pooled, rows = pool_rows(inputs, self.student_shard, self.group_shards,
+                                 self.groups.model_parallel)
         if self.offload:
             self.module.to(self.device)
         scored = whole_micro_batches(pooled, self.micro_batch_size)
@@ -68,13 +73,12 @@ def whole_micro_batches(inputs: dict[str, torch.Tensor], micro_batch_size: int
             for name, tensor in inputs.items()}
 
 
-def pool_rows(inputs: dict[str, torch.Tensor], shard: int, group
+def pool_rows(inputs: dict[str, torch.Tensor], shard: int, shards: list[int], group
               ) -> tuple[dict[str, torch.Tensor], slice]:
-    """The rows the ranks of `group` hold, each `shard` once in shard order (right-padded with
-    zeros to the longest), and where this rank's rows lie among them. Ranks of one shard hold
-    the same rows. Without other shards in the group the rows are this rank's own."""
-    shards = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shards, shard, group=group)
+    """The rows the ranks of `group` hold, each shard once in shard order (right-padded with
+    zeros to the longest), and where this rank's rows (of `shard`) lie among them; `shards`:
+    the shard of each rank of the group. Ranks of one shard hold the same rows. Without other
+    shards in the group the rows are this rank's own (no collective)."""
     if len(set(shards)) == 1:
         return inputs, slice(0, inputs["input_ids"].shape[0])
     held = [None] * len(shards)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -132,22 +133,57 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
     return token_budget_micro_batches(batch, max_tokens, length_multiple)
 
 
+@dataclass
+class _Pipeline:
+    """Where a model's passes run: Megatron's parallel state, or a second model's own groups
+    (runtime.model_groups), resolved once per pass."""
+
+    schedule: Callable
+    """Megatron's forward-backward function (with the model's own groups bound, if any)."""
+
+    tp_group: object
+    pp_group: object
+    last_stage_rank: int
+    """The global rank of the pipeline's last stage, which computes the outputs."""
+
+    is_last_stage: bool
+
+
+def _pipeline(model, groups: ModelGroups | None) -> _Pipeline:
+    """The pipeline of `model`: in Megatron's parallel state, or with `groups` the schedule
+    over its own groups (its P2P communicator and its groups go with every call)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if groups is None:
+        return _Pipeline(get_forward_backward_func(),
+                         parallel_state.get_tensor_model_parallel_group(),
+                         parallel_state.get_pipeline_model_parallel_group(),
+                         parallel_state.get_pipeline_model_parallel_last_rank(),
+                         parallel_state.is_pipeline_last_stage())
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.utils import get_model_config
+
+    own = {"pg_collection": groups.collection}
+    if groups.pp_size > 1:
+        own["p2p_communicator"] = P2PCommunicator(groups.collection.pp, get_model_config(model))
+    return _Pipeline(partial(get_forward_backward_func(pp_size=groups.pp_size), **own),
+                     groups.collection.tp, groups.collection.pp, groups.last_stage_rank,
+                     groups.is_last_stage)
+
+
 def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_size: int,
                   temperature: float, loss_fn: LossFn | None, forward_only: bool,
-                  routing: RoutingPass | None = None, groups: ModelGroups | None = None):
-    """Megatron's schedule over the model's pipeline: in Megatron's parallel state, or in
-    `groups` (a second model's own layout)."""
-
+                  pipeline: _Pipeline, routing: RoutingPass | None = None):
     if head == "lm" and vocab_size is None:
         raise ValueError("vocab_size (the real, unpadded vocabulary) is needed for an LM head")
     for micro_batch in micro_batches:
         check_batch(micro_batch)
     # With variable shapes (a token budget) Megatron sends each shape ahead between stages.
     batch_size, seq_length = micro_batches[0]["input_ids"].shape
-    schedule, tp_group = _schedule(chunks[0], groups)
-    return schedule(
-        forward_step_func=partial(_forward_step, head, vocab_size, temperature, tp_group,
-                                  loss_fn, module_device(chunks[0]), routing),
+    return pipeline.schedule(
+        forward_step_func=partial(_forward_step, head, vocab_size, temperature,
+                                  pipeline.tp_group, loss_fn, module_device(chunks[0]), routing),
         data_iterator=iter(micro_batches),
         model=chunks,
         num_microbatches=len(micro_batches),
@@ -158,45 +194,13 @@ def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_siz
     )
 
 
-def _schedule(model, groups: ModelGroups | None):
-    """(forward_backward_func, TP group) of the model: Megatron's parallel state's, or with
-    `groups` the pipeline schedule over its own groups (its P2P communicator and its groups go
-    with every call)."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    if groups is None:
-        return get_forward_backward_func(), parallel_state.get_tensor_model_parallel_group()
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-    from megatron.core.utils import get_model_config
-
-    schedule = get_forward_backward_func(pp_size=groups.pp_size)
-    own = {"pg_collection": groups.collection}
-    if groups.pp_size > 1:
-        own["p2p_communicator"] = P2PCommunicator(groups.collection.pp, get_model_config(model))
-    return partial(schedule, **own), groups.collection.tp
-
-
-def _last_stage(groups: ModelGroups | None) -> bool:
-    from megatron.core import parallel_state
-
-    return groups.is_last_stage if groups else parallel_state.is_pipeline_last_stage()
-
-
 def _broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device,
-                               groups: ModelGroups | None) -> torch.Tensor:
-    from megatron.core import parallel_state
-
-    if groups is None:
-        group = parallel_state.get_pipeline_model_parallel_group()
-        source = parallel_state.get_pipeline_model_parallel_last_rank()
-    else:
-        group, source = groups.collection.pp, groups.last_stage_rank
-    if dist.get_world_size(group) == 1:
+                               pipeline: _Pipeline) -> torch.Tensor:
+    if dist.get_world_size(pipeline.pp_group) == 1:
         return tensor
     if tensor is None:
         tensor = torch.empty(shape, dtype=torch.float32, device=device)
-    dist.broadcast(tensor, src=source, group=group)
+    dist.broadcast(tensor, src=pipeline.last_stage_rank, group=pipeline.pp_group)
     return tensor
 
 
@@ -216,16 +220,16 @@ def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str
     if routing is not None and routing.keep_routes:
         batch = dict(batch, row_ids=torch.arange(batch["input_ids"].shape[0]))
     micro_batches, order = _micro_batches(chunks, batch, micro_batch_size, max_tokens)
+    pipeline = _pipeline(chunks[0], groups)
     per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None,
-                                    True, routing, groups)
+                                    True, pipeline, routing)
     names = ("values",) if head == "scalar" else ("logprobs", "entropy")
     shape = tuple(batch["input_ids"].shape)
-    last_stage = _last_stage(groups)
     results = {}
     for name in names:
         local = _in_batch_order([out[name] for out in per_micro_batch], order, shape) \
-            if last_stage else None
-        broadcast = _broadcast_from_last_stage(local, shape, module_device(chunks[0]), groups)
+            if pipeline.is_last_stage else None
+        broadcast = _broadcast_from_last_stage(local, shape, module_device(chunks[0]), pipeline)
         results[name] = broadcast.to(batch["input_ids"].device)
     return results
 
@@ -257,7 +261,7 @@ def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_
     model.optimizer.zero_grad()
     micro_batches, _ = _micro_batches(model.chunks, batch, micro_batch_size, max_tokens)
     per_micro_batch = _run_schedule(model.chunks, micro_batches, head, vocab_size, temperature,
-                                    loss_fn, False, routing)
+                                    loss_fn, False, _pipeline(model.chunks[0], None), routing)
     metrics = _reduce_metrics(per_micro_batch)
     finite = math.isfinite(metrics["loss"]) and _gradients_finite(model.chunks)
     updated, grad_norm = False, float("nan")

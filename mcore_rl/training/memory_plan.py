@@ -92,12 +92,12 @@ class ScoringMemory:
         return self.weights + self.logits
 
 
-def scoring_memory(model: ModelConfig, model_parallel: int, tp: int, weight_bytes: int,
+def scoring_memory(model: ModelConfig, tp: int, pp: int, weight_bytes: int,
                    micro_batch_size: int, sequence_length: int) -> ScoringMemory:
-    """A frozen LM split over `model_parallel` (TP x PP) GPUs scoring micro-batches of
-    `micro_batch_size` sequences of `sequence_length` tokens (activations of one layer are
-    small beside the vocabulary's logits and not counted)."""
-    weights = model_parameters(model) * weight_bytes / model_parallel
+    """A frozen LM split over TP x PP GPUs scoring micro-batches of `micro_batch_size`
+    sequences of `sequence_length` tokens (activations of one layer are small beside the
+    vocabulary's logits and not counted)."""
+    weights = model_parameters(model) * weight_bytes / (tp * pp)
     logits = (micro_batch_size * sequence_length * model.padded_vocab_size(tp) / tp
               * 4 * LOGIT_COPIES)
     return ScoringMemory(weights, logits)
