@@ -14,3 +14,24 @@ def smollm2_hf(tmp_path_factory) -> str:
     gguf_to_hf(smollm2_gguf_path(), folder)
     assert os.path.isfile(os.path.join(folder, "model.safetensors"))
     return folder
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the time went, by file (setup, call and teardown together; slowest first), after
+    pytest's own slowest-tests list: docs/testing.md says how to read it."""
+    seconds: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) not in ("setup", "call", "teardown"):
+                continue
+            path = report.nodeid.split("::")[0]
+            seconds[path] = seconds.get(path, 0.0) + report.duration
+            counts[path] = counts.get(path, 0) + (report.when == "call")
+    if not seconds:
+        return
+    terminalreporter.write_sep("=", "time per test file")
+    for path, total in sorted(seconds.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{total:8.1f} s  {counts[path]:4d} tests  {path}")
+    terminalreporter.write_line(f"{sum(seconds.values()):8.1f} s  {sum(counts.values()):4d} "
+                                f"tests  in all")

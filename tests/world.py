@@ -1,8 +1,18 @@
-"""Run a function on every rank of a real multi-process gloo world (torch.multiprocessing.spawn).
+"""Run a function on every rank of a real multi-process gloo world.
 
 Each rank gets the environment torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT) and one thread. If any rank raises, spawn terminates the others and the test fails
-with that rank's traceback instead of hanging.
+MASTER_PORT) and one thread. If any rank raises, the others are terminated and the test fails
+with that rank's traceback; a world still running after `timeout` seconds is killed and the test
+fails, so a hung job ends its test, not the suite.
+
+Why a forkserver: a rank used to be a fresh interpreter (`spawn`) that imported torch,
+Megatron-Core and transformers itself, about 5 s of start-up per rank and more than the work
+most worlds test (one second of import per rank cost about 9.5 minutes of suite time). Ranks are
+now forked from one server process per test session that imported those libraries once
+(`rank_preload.py`); each rank still imports the package and the test's worker module itself,
+and gets the test's environment, working directory and `sys.path` as at the call, so it runs
+exactly what a spawned rank ran. vLLM is not preloaded: its import reads the platform and
+environment that the rank sets up, and a forked copy would share the server's state.
 """
 
 from __future__ import annotations
@@ -14,6 +24,14 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_SECONDS = 900.0
+"""A world still running after this long is killed and its test fails (the slowest world, an RL
+learning curve with vLLM, takes about 3 minutes on 2 busy cores)."""
+
+# The server inherits this process's environment when it starts: one thread before torch loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+mp.set_forkserver_preload(["rank_preload"])
 
 
 def free_port() -> int:
@@ -32,16 +50,46 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-32767")
 
 
-def _entry(rank: int, world_size: int, port: int, function, args) -> None:
+def _write_where_the_caller_writes(caller: int) -> None:
+    """Point stdout and stderr at the caller's (a forked rank inherits the server's, which are
+    those of the test that started it): a test reads its ranks' output as with spawn."""
+    for fd in (1, 2):
+        try:
+            target = os.open(f"/proc/{caller}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:  # a socket cannot be reopened: keep the server's
+            continue
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _entry(rank: int, world_size: int, port: int, caller: int, environment: dict, function,
+           args) -> None:
+    _write_where_the_caller_writes(caller)
+    # A forked rank starts with the server's environment and caches: take the caller's.
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import tempfile
+    tempfile.tempdir = None
     torch.set_num_threads(1)
     from mcore_rl.runtime import quiet_known_warnings
     quiet_known_warnings()
     function(*args)
 
 
-def run_world(world_size: int, function, *args) -> None:
-    """Call function(*args) on `world_size` fresh processes forming one world."""
-    mp.start_processes(_entry, args=(world_size, free_port(), function, args),
-                       nprocs=world_size, join=True, start_method="spawn")
+def run_world(world_size: int, function, *args, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+    """Call function(*args) on `world_size` processes forming one world; raise the first rank's
+    error, or TimeoutError once `timeout` seconds have passed."""
+    context = mp.start_processes(
+        _entry, args=(world_size, free_port(), os.getpid(), dict(os.environ), function, args),
+        nprocs=world_size, join=False, start_method="forkserver")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+            raise TimeoutError(f"a world of {world_size} running {function.__module__}."
+                               f"{function.__qualname__} did not finish in {timeout:.0f} s")
