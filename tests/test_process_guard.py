@@ -40,23 +40,41 @@ def _fork_with_grandchild() -> None:
     time.sleep(600)
 
 
+def _make_a_semaphore_and_vanish(name_file: str) -> None:
+    """A helper that dies without cleanup (os._exit) holding a named semaphore, as a vLLM
+    worker holds tqdm's lock: only the resource tracker it registered with unlinks the name."""
+    lock = multiprocessing.get_context("spawn").Lock()
+    with open(name_file, "w") as handle:
+        handle.write(lock._semlock.name)
+    os._exit(0)
+
+
 def start_helpers_and_die(guarded: bool, out_file: str, temp_dir: str) -> None:
     """Start what a rank starts, map a segment, write a temporary file, then die of SIGKILL."""
     _use_temp_dir(temp_dir)  # where the guard makes the rank's folder, or the rank itself
     if guarded:
         guard_this_rank()
+    from multiprocessing import resource_tracker
+    # A rank that torchrun or srun starts has a resource tracker of its own; this one, spawned
+    # by the test, was handed the test's.
+    resource_tracker._resource_tracker._fd = resource_tracker._resource_tracker._pid = None
     manager = multiprocessing.get_context("spawn").Manager()  # noqa: F841 (alive until the kill)
+    semaphore_file = os.path.join(temp_dir, "semaphore")
+    helper = multiprocessing.get_context("spawn").Process(target=_make_a_semaphore_and_vanish,
+                                                          args=(semaphore_file,))
+    helper.start()
+    helper.join()
     forked = multiprocessing.get_context("fork").Process(target=_fork_with_grandchild,
                                                          daemon=True)
     forked.start()
     segment = shared_memory.SharedMemory(create=True, size=4096)
-    from multiprocessing import resource_tracker
     resource_tracker.unregister(segment._name, "shared_memory")  # as a C++ library's would be
     scratch = tempfile.mkdtemp()
     time.sleep(1.5)  # the guard notes its rank's descendants a few times a second
     pids = [child.pid for child in psutil.Process().children(recursive=True)]
     with open(out_file, "w") as handle:
-        json.dump({"pids": pids, "segment": segment.name, "scratch": scratch}, handle)
+        json.dump({"pids": pids, "segment": segment.name, "scratch": scratch,
+                   "semaphore": open(semaphore_file).read()}, handle)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -87,21 +105,26 @@ def test_a_killed_rank_leaves_nothing_only_when_guarded(tmp_path, guarded):
     exit_code, left = run_owner(start_helpers_and_die, guarded, tmp_path)
     assert exit_code == -signal.SIGKILL
     segment_path = "/dev/shm/" + left["segment"].lstrip("/")
-    deadline = time.monotonic() + 10
+    semaphore_path = "/dev/shm/sem." + left["semaphore"].lstrip("/")
+    deadline = time.monotonic() + 15
     while time.monotonic() < deadline and (any(map(running, left["pids"])) or
-                                           os.path.exists(segment_path)):
+                                           os.path.exists(segment_path) or
+                                           os.path.exists(semaphore_path)):
         time.sleep(0.1)
     survivors = [pid for pid in left["pids"] if running(pid)]
-    remains = [path for path in (segment_path, left["scratch"]) if os.path.exists(path)]
+    remains = [path for path in (segment_path, left["scratch"], semaphore_path)
+               if os.path.exists(path)]
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(segment_path)
+    for path in (segment_path, semaphore_path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     names = [psutil.Process(pid).name() for pid in survivors if running(pid)]
     if guarded:
         assert (survivors, remains) == ([], []), names
-    else:  # the Manager, the forked child and its child; the segment; the folder
-        assert len(survivors) >= 3 and len(remains) == 2
+    else:  # the Manager, the forked child and its child, the resource tracker; the segment;
+        # the folder; the semaphore (its tracker waits for the surviving Manager)
+        assert len(survivors) >= 3 and len(remains) == 3
 
 
 def start_managers_after_a_signal(guarded: bool, out_file: str, temp_dir: str) -> None:

@@ -51,6 +51,13 @@ CREATED_SLACK_SECONDS = 1.0
 the rank's: made in its last moments (a semaphore half-created by a killed writer), too late to
 be noted."""
 
+KILL_WAIT_SECONDS = 5.0
+"""How long killed processes are given to be gone before the guard goes on."""
+
+TRACKER_WAIT_SECONDS = 3.0
+"""How long a resource tracker is given to unlink what was registered with it and exit, once the
+processes that used it are gone."""
+
 SHM_DIR = "/dev/shm"
 
 
@@ -205,6 +212,10 @@ class _Guard:
                 print(f"rank guard of {self.owner}: {step.__name__}: {error}", file=sys.stderr)
 
     def kill_everything(self) -> None:
+        """SIGKILL every process the rank started, multiprocessing's resource trackers last:
+        once the others are gone a tracker unlinks the semaphores and segments registered with
+        it (a helper's that died without cleanup, like a worker's tqdm lock) and exits by
+        itself; killed with the others, it left them in /dev/shm under their names."""
         table = process_table()
         me = os.getpid()
         victims = descendants(table, set(self.pidfds)) - {me}
@@ -216,14 +227,11 @@ class _Guard:
                 self.pidfds[pid] = os.pidfd_open(pid)
             except OSError:
                 pass
-        for pidfd in self.pidfds.values():
-            try:
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not all(map(_exited, self.pidfds.values())):
-            time.sleep(0.05)
+        trackers = {pid: pidfd for pid, pidfd in self.pidfds.items() if _is_resource_tracker(pid)}
+        others = [pidfd for pid, pidfd in self.pidfds.items() if pid not in trackers]
+        _kill_and_wait(others, KILL_WAIT_SECONDS)
+        _wait(trackers.values(), TRACKER_WAIT_SECONDS)
+        _kill_and_wait(trackers.values(), KILL_WAIT_SECONDS)
 
     def release_segments(self) -> None:
         remaining = self.segments | created_since(self.last_note - CREATED_SLACK_SECONDS)
@@ -241,6 +249,32 @@ class _Guard:
 
 def _exited(pidfd: int) -> bool:
     return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def _wait(pidfds, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(map(_exited, pidfds)):
+        time.sleep(0.05)
+
+
+def _kill_and_wait(pidfds, seconds: float) -> None:
+    pidfds = list(pidfds)
+    for pidfd in pidfds:
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except OSError:
+            pass
+    _wait(pidfds, seconds)
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    """Whether the process is a multiprocessing resource tracker (`python -c 'from
+    multiprocessing.resource_tracker import main;main(FD)'`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return b"multiprocessing.resource_tracker" in handle.read()
+    except OSError:
+        return False
 
 
 class _OwnerGone(Exception):
