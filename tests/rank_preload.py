@@ -1,10 +1,17 @@
 """What the forkserver of `tests/world.py` imports once, so that no rank imports it again: the
-heavy third-party libraries every rank loads (torch, Megatron-Core and the parts of it the
-package uses, transformers' model classes the reference comparisons load). The package itself is
-not preloaded: some of its modules read the environment at import (the temporary directory),
-which a rank takes from its test, not from the server."""
+heavy third-party libraries the ranks load (torch, Megatron-Core and the parts of it the package
+uses, transformers' model classes the reference comparisons load, vLLM's engine front end:
+together about 12 s of start-up per rank on these machines). The package itself is not
+preloaded: some of its modules read the environment at import (the temporary directory), which a
+rank takes from its test, not from the server.
+
+Importing them starts no thread (forking after one would be unsafe); what they add to the
+environment (vLLM sets inductor and NVML variables at import) is in ADDED_ENVIRONMENT, which a
+rank adds to its test's environment, as if it had imported them itself.
+"""
 
 import importlib
+import os
 import warnings
 
 
@@ -20,7 +27,9 @@ MODULES = [
     "megatron.core.inference.contexts",
     "transformers", "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3.modeling_qwen3",
+    "vllm", "vllm.entrypoints.llm", "vllm.engine.arg_utils",
 ]
+_before = dict(os.environ)
 with warnings.catch_warnings():  # said by each rank that imports them, not by the server
     warnings.simplefilter("ignore")
     for name in MODULES:
@@ -28,3 +37,6 @@ with warnings.catch_warnings():  # said by each rank that imports them, not by t
             importlib.import_module(name)
         except ImportError:  # a module another megatron-core release moved: the rank imports it
             pass
+
+ADDED_ENVIRONMENT = {name: value for name, value in os.environ.items()
+                     if _before.get(name) != value}

@@ -54,6 +54,7 @@ CASES = [(layout, algorithm) for layout in LAYOUTS for algorithm in ALGORITHMS
          if not (algorithm == "grpo_async" and layout != "world1")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,algorithm", CASES)
 def test_held_out_reward_rises(tmp_path, tokenizer_dir, layout, algorithm):
     _, steps, margin = ALGORITHMS[algorithm]
@@ -79,6 +80,7 @@ def test_held_out_reward_rises(tmp_path, tokenizer_dir, layout, algorithm):
         assert history[-1]["critic/explained_variance"] > 0.0
 
 
+@pytest.mark.slow
 def test_seed_python_loop_learns_a_reward_that_reads_the_prompt(tmp_path, tokenizer_dir):
     """Seed 000's loop: plain-text prompts to collect_data, a reward_fn that finds the prompt in
     extra_info (there is no ground truth), update_policy. The reward must rise (measured: 0.11

@@ -95,6 +95,7 @@ def test_multi_turn_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
     assert evaluations(tmp_path / "split" / "run") == evaluations(tmp_path / "colocated" / "run")
 
 
+@pytest.mark.slow
 def test_one_step_stale_split_run_learns_within_the_bound(tmp_path, tokenizer_dir):
     from mcore_rl.observability.timeline import read_timeline
 

@@ -11,8 +11,7 @@ most worlds test (one second of import per rank cost about 9.5 minutes of suite 
 now forked from one server process per test session that imported those libraries once
 (`rank_preload.py`); each rank still imports the package and the test's worker module itself,
 and gets the test's environment, working directory and `sys.path` as at the call, so it runs
-exactly what a spawned rank ran. vLLM is not preloaded: its import reads the platform and
-environment that the rank sets up, and a forked copy would share the server's state.
+what a spawned rank ran.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
 import time
 
 import torch
@@ -65,8 +65,11 @@ def _write_where_the_caller_writes(caller: int) -> None:
 def _entry(rank: int, world_size: int, port: int, caller: int, environment: dict, function,
            args) -> None:
     _write_where_the_caller_writes(caller)
-    # A forked rank starts with the server's environment and caches: take the caller's.
+    # A forked rank starts with the server's environment and caches: take the caller's, plus
+    # what the preloaded imports set (as the rank's own imports would have).
+    preloaded = sys.modules.get("rank_preload")
     os.environ.clear()
+    os.environ.update(getattr(preloaded, "ADDED_ENVIRONMENT", {}))
     os.environ.update(environment)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
