@@ -29,6 +29,9 @@ DEFAULT_TIMEOUT_SECONDS = 900.0
 """A world still running after this long is killed and its test fails (the slowest world, an RL
 learning curve with vLLM, takes about 3 minutes on 2 busy cores)."""
 
+START_METHOD = os.environ.get("MCORE_RL_TEST_START_METHOD", "forkserver")
+"""`spawn` gives every rank a fresh interpreter again (to compare, or to rule the server out)."""
+
 # The server inherits this process's environment when it starts: one thread before torch loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 mp.set_forkserver_preload(["rank_preload"])
@@ -86,7 +89,7 @@ def run_world(world_size: int, function, *args, timeout: float = DEFAULT_TIMEOUT
     error, or TimeoutError once `timeout` seconds have passed."""
     context = mp.start_processes(
         _entry, args=(world_size, free_port(), os.getpid(), dict(os.environ), function, args),
-        nprocs=world_size, join=False, start_method="forkserver")
+        nprocs=world_size, join=False, start_method=START_METHOD)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:
