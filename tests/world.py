@@ -6,12 +6,12 @@ with that rank's traceback; a world still running after `timeout` seconds is kil
 fails, so a hung job ends its test, not the suite.
 
 Why a forkserver: a rank used to be a fresh interpreter (`spawn`) that imported torch,
-Megatron-Core and transformers itself, about 5 s of start-up per rank and more than the work
-most worlds test (one second of import per rank cost about 9.5 minutes of suite time). Ranks are
-now forked from one server process per test session that imported those libraries once
-(`rank_preload.py`); each rank still imports the package and the test's worker module itself,
-and gets the test's environment, working directory and `sys.path` as at the call, so it runs
-what a spawned rank ran.
+Megatron-Core, transformers and vLLM itself, 5-12 s of CPU per rank. Ranks are now forked from
+one server process per test session that imported those libraries once (`rank_preload.py`): a
+world of two that initialises Megatron and shuts down takes under a second. Each rank still
+imports the package and the test's worker module itself, and gets the test's environment,
+working directory, `sys.path` and output as at the call, so it runs what a spawned rank ran
+(docs/testing.md).
 """
 
 from __future__ import annotations
