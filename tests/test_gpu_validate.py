@@ -19,7 +19,8 @@ STAGES = ["preflight", "smoke", "performance", "offload", "parity", "rl", "resum
           "lora", "distill"]
 
 
-def run_stages(tmp_path, stages: list[str]) -> tuple[subprocess.CompletedProcess, dict]:
+def run_stages(tmp_path, stages: list[str]) -> dict:
+    """Run the script's `stages` on CPU; each stage's JSON record, by stage."""
     env = dict(os.environ, GPU_VALIDATE_OUT=str(tmp_path), PYTHON=sys.executable,
                OMP_NUM_THREADS="1")
     run = subprocess.run(["bash", "scripts/gpu_validate.sh", "--cpu", "--tiny", "--stages",
@@ -30,16 +31,16 @@ def run_stages(tmp_path, stages: list[str]) -> tuple[subprocess.CompletedProcess
     assert [record["stage"] for record in records] == stages
     assert all(record["ok"] and not record["failed"] for record in records)
     assert "PASS" in run.stdout and "FAIL" not in run.stdout
-    return run, {record["stage"]: record for record in records}
+    return {record["stage"]: record for record in records}
 
 
 def test_the_script_runs_its_stages_and_the_actor_matches_transformers(tmp_path):
-    _, by_stage = run_stages(tmp_path, ["preflight", "parity"])
+    by_stage = run_stages(tmp_path, ["preflight", "parity"])
     assert by_stage["parity"]["hf_vs_actor_fp32"] <= 1e-4
 
 
 @pytest.mark.slow
 def test_every_stage_passes_on_cpu(tmp_path):
-    _, by_stage = run_stages(tmp_path, STAGES)
+    by_stage = run_stages(tmp_path, STAGES)
     assert by_stage["parity"]["hf_vs_actor_fp32"] <= 1e-4
     assert by_stage["resume"]["resumed_at"] == 2

@@ -106,7 +106,7 @@ def test_a_killed_rank_leaves_nothing_only_when_guarded(tmp_path, guarded):
     assert exit_code == -signal.SIGKILL
     segment_path = "/dev/shm/" + left["segment"].lstrip("/")
     semaphore_path = "/dev/shm/sem." + left["semaphore"].lstrip("/")
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (any(map(running, left["pids"])) or
                                            os.path.exists(segment_path) or
                                            os.path.exists(semaphore_path)):

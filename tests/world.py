@@ -20,6 +20,7 @@ import os
 import random
 import socket
 import sys
+import tempfile
 import time
 
 import torch
@@ -76,7 +77,6 @@ def _entry(rank: int, world_size: int, port: int, caller: int, environment: dict
     os.environ.update(environment)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import tempfile
     tempfile.tempdir = None
     torch.set_num_threads(1)
     from mcore_rl.runtime import quiet_known_warnings
