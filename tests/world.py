@@ -16,6 +16,7 @@ working directory, `sys.path` and output as at the call, so it runs what a spawn
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -90,6 +91,15 @@ def run_world(world_size: int, function, *args, timeout: float = DEFAULT_TIMEOUT
     context = mp.start_processes(
         _entry, args=(world_size, free_port(), os.getpid(), dict(os.environ), function, args),
         nprocs=world_size, join=False, start_method=START_METHOD)
+    try:
+        _join(context, world_size, function, timeout)
+    finally:  # a rank that raised wrote its traceback there; torch reads the first, removes none
+        for path in context.error_files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _join(context, world_size: int, function, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not context.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:
