@@ -35,7 +35,7 @@ setup(
         "agents": ["fastapi", "uvicorn", "openai"],  # rollout.multi_turn.agent
     },
     entry_points={
-        "console_scripts": ["mcore-rl=mcore_rl.cli:main"],
+        "console_scripts": ["mcore-rl=mcore_rl.__main__:main"],
         # /generate on vLLM's OpenAI server; `mcore-rl serve` allow-lists it in VLLM_PLUGINS.
         "vllm.endpoint_plugins": ["mcore_rl_generate=mcore_rl.serve.generate_route:GenerateEndpoint"],
     },

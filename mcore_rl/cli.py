@@ -31,7 +31,7 @@ from .models.transformer_config import DTYPES
 from .resharding.layouts import ENGINES
 from .runtime.launch_env import read_launch_env
 from .runtime.log import quiet_known_warnings
-from .runtime.process_guard import exit_with_launcher, guard_this_rank
+from .runtime.process_guard import guard_this_rank
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -163,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     args, passthrough = parser.parse_known_args(argv)
     if passthrough and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(passthrough)}")
-    exit_with_launcher()
     guard_this_rank()
     quiet_known_warnings()
     try:

@@ -41,3 +41,27 @@ def distill_step(out_path: str, overrides: list[str]) -> None:
     if dist.get_rank() == 0:
         torch.save({"rows": rows, "fixed": fixed, "metrics": metrics}, out_path)
     trainer.close()
+
+
+def check_with_little_memory_on_rank_one(out_path: str, overrides: list[str]) -> None:
+    """The teacher's checks with only rank 1's device too small: every rank saves the error it
+    raised (before, rank 1 raised alone and rank 0 went on into the teacher's collectives)."""
+    from transformers import AutoTokenizer
+
+    from mcore_rl.config import ConfigError, load_config
+    from mcore_rl.conversion.model_source import model_of_init
+    from mcore_rl.rl.distillation import check_teacher
+    from rl_worker import TOY_CONFIG
+
+    dist.init_process_group("gloo")
+    config = load_config(TOY_CONFIG, overrides)
+    tokenizer = AutoTokenizer.from_pretrained(config.data.tokenizer)
+    available = 1 if dist.get_rank() == 1 else 2 ** 40
+    try:
+        check_teacher(config, model_of_init(config.teacher.init, "teacher.init"), tokenizer,
+                      available)
+        raised = None
+    except ConfigError as error:
+        raised = str(error)
+    torch.save(raised, f"{out_path}.{dist.get_rank()}")
+    dist.destroy_process_group()

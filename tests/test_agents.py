@@ -343,3 +343,25 @@ def test_trainer_takes_an_environment_class_that_its_processes_can_import():
 
     with pytest.raises(ValueError, match="Local must be importable from a module"):
         with_environment(config, Local)
+
+
+def test_an_environment_that_scores_its_episodes_needs_no_reward_function():
+    """Lookup defines get_reward: its rows' data_source needs no reward function at start; an
+    episode it returns None for scores 0 as a counted reward error. The base Environment
+    scores nothing itself, so such a data_source is still refused."""
+    from mcore_rl.config import load_config
+    from mcore_rl.rewards import RewardRequest, RuleRewards
+    from mcore_rl.rewards.registry import UnknownDataSourceError
+    from mcore_rl.rl.job_rewards import reward_config
+
+    def rewards(environment: str) -> RuleRewards:
+        return RuleRewards(reward_config(load_config(None, [
+            f"rollout.multi_turn.environment={environment}", "reward.num_workers=0"])))
+
+    scored = rewards("agent_environments:Lookup")
+    scored.check_data_sources({"scripted"})
+    (result,) = scored.score([RewardRequest("episode0", "scripted", "the answer")])
+    assert result.score == 0.0 and "get_reward returned None" in result.error
+    with pytest.raises(UnknownDataSourceError, match="no reward function for data_source "
+                                                     "'scripted'"):
+        rewards("agent_environments:Undocumented").check_data_sources({"scripted"})

@@ -113,3 +113,18 @@ def test_padded_vocab_follows_megatron_rule():
     assert config.model.padded_vocab_size(1) == 1024
     assert config.model.padded_vocab_size(3) == 1152
     assert config.model.padded_vocab_size(8) == 1024
+
+
+def test_a_lora_field_without_enabled_is_refused_naming_enabled(tmp_path):
+    """verl users set only the rank: with adapters off that would train every weight."""
+    with pytest.raises(ConfigError, match=r"command line: actor\.lora\.rank is set but "
+                                          r"actor\.lora\.enabled is false"):
+        load_config(None, ["actor.lora.rank=8", "actor.lora.alpha=16"])
+    (tmp_path / "job.yaml").write_text("sft:\n  lora:\n    alpha: 32\n")
+    with pytest.raises(ConfigError, match=r"job\.yaml: sft\.lora\.alpha is set but sft\.lora\."
+                                          r"enabled is false"):
+        load_config(str(tmp_path / "job.yaml"))
+    enabled = load_config(str(tmp_path / "job.yaml"), ["sft.lora.enabled=true"])
+    assert enabled.sft.lora.enabled and enabled.sft.lora.alpha == 32
+    (tmp_path / "saved.yaml").write_text(to_yaml(load_config()))  # a run's config: as written
+    assert not load_config(str(tmp_path / "saved.yaml")).actor.lora.enabled

@@ -191,6 +191,21 @@ def test_a_teacher_too_large_for_the_device_is_refused():
             and "raise teacher.parallel.tensor_model_parallel_size" in problems[0])
 
 
+def test_a_teacher_one_rank_cannot_hold_is_refused_on_every_rank(models):
+    """Rank 1's device alone is too small: both ranks raise, naming rank 1 (rank 0 must not go
+    on into the teacher's collectives and wait there)."""
+    from distill_worker import check_with_little_memory_on_rank_one
+
+    root, tokenizer, student, teacher = models
+    out = root / "check"
+    run_world(2, check_with_little_memory_on_rank_one, str(out), [
+        f"init.hf_path={student}", f"data.tokenizer={tokenizer}",
+        f"teacher.init.hf_path={teacher}", "runtime.precision=fp32"], timeout=120)
+    for rank in (0, 1):
+        raised = torch.load(f"{out}.{rank}")
+        assert raised.startswith(f"teacher.init={teacher}: rank 1: it does not fit"), raised
+
+
 def test_teacher_layout_rules_name_the_field():
     """The teacher's layout must divide the ranks that train: in split placement those are the
     trainer ranks (the teacher never lives on the rollout side)."""
@@ -212,7 +227,7 @@ def test_pure_distillation_needs_no_reward_function():
     from mcore_rl.config import load_config
     from mcore_rl.rewards import FunctionTable
     from mcore_rl.rewards.unscored import UNSCORED, unscored
-    from mcore_rl.rl.distillation import reward_config
+    from mcore_rl.rl.job_rewards import reward_config
 
     def table(weight: float) -> FunctionTable:
         return FunctionTable.from_config(reward_config(load_config(

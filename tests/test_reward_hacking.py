@@ -2,7 +2,7 @@
 this project's runs: it fires on SFT -> RM -> PPO as issue 31 found it (the reward model's
 score rising while the checked accuracy falls, one answer for every question, KL 5.5), and stays
 quiet on a healthy GRPO run (the quickstart, 24 steps: accuracy up, distinct_1 at 0.21 of its
-start, KL 1.05)."""
+start, KL 1.05; and 60 steps: accuracy up 39 points, KL 3.3)."""
 
 import pytest
 
@@ -78,9 +78,24 @@ def test_the_steps_kl_stands_in_and_the_start_survives_a_resume():
     assert resumed.check(HACKED[2]) == monitor.check(HACKED[2])
 
 
+def test_a_large_kl_with_accuracy_rising_as_the_reward_is_no_hacking():
+    """The quickstart's 60 steps (issue 44): the rule reward and the checked accuracy rose
+    together, KL 3.3 > 3. The KL is logged, not warned of; with the accuracy flat it warns."""
+    start = {"eval/reward_mean": 0.51, "eval/accuracy": 0.505, "eval/distinct_1": 0.03,
+             "eval/kl_to_reference": 0.0}
+    learned = {"eval/reward_mean": 0.9025, "eval/accuracy": 0.895, "eval/distinct_1": 0.02,
+               "eval/kl_to_reference": 3.295}
+    _, (logged, message) = run([start, learned])
+    assert logged["warnings/kl_exceeded"] == 1.0 and logged["warnings/reward_hacking"] == 0.0
+    assert message is None
+    _, (logged, message) = run([start, {**learned, "eval/accuracy": 0.52}])
+    assert logged["warnings/reward_hacking"] == 1.0 and "KL to the reference 3.295" in message
+
+
 def test_thresholds_are_options():
     strict = RewardHackingConfig(kl_bound=0.5)
-    assert run(HEALTHY, strict)[2][0]["warnings/reward_hacking"] == 1.0  # KL 1.05 > 0.5
+    assert run(HACKED[:2], strict)[1][0]["warnings/reward_hacking"] == 1.0  # KL 0.8 > 0.5
+    assert run(HACKED[:2])[1][0]["warnings/reward_hacking"] == 0.0
     assert RewardHackingConfig(distinct_fraction=2, kl_bound=0).errors() == [
         "trainer.reward_hacking.distinct_fraction=2 must be in [0, 1]",
         "trainer.reward_hacking.kl_bound=0 must be positive"]

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,8 +152,6 @@ def end_job(launcher) -> None:
 def test_killing_torchrun_ends_every_rank_and_their_children(tmp_path):
     """torchrun gives each rank a session of its own: `kill -9` of torchrun's process group must
     still end the ranks (runtime.process_guard) and their reward workers (rewards.sandbox)."""
-    import psutil
-
     launcher = start_two_rank_job(tmp_path, 29566, "rollout.engine=megatron")
     try:
         job = psutil.Process(launcher.pid).children(recursive=True)
@@ -165,6 +164,40 @@ def test_killing_torchrun_ends_every_rank_and_their_children(tmp_path):
     for process in alive:  # a failing run must not leave them training
         process.kill()
     assert survivors == []
+
+
+def test_killing_torchrun_while_its_ranks_import_ends_them(tmp_path):
+    """`kill -9` of torchrun as soon as its ranks exist, while they import: the ranks must end
+    (they used to live on, reparented to init, waiting on the dead launcher's store)."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="2", MASTER_PORT="29567")
+    launcher = subprocess.Popen(
+        [os.path.join(REPO, "scripts", "torchrun.sh"), "train", "--config",
+         "configs/grpo_toy.yaml", f"runtime.output_dir={tmp_path}"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    ranks, deadline = [], time.monotonic() + 120
+    while len(ranks) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+        ranks = [process for process in psutil.Process(launcher.pid).children()
+                 if _command(process).startswith(sys.executable) and " -m mcore_rl " in
+                 _command(process) and "torch.distributed" not in _command(process)]
+    os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    assert len(ranks) == 2
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    for process in alive:
+        process.kill()
+    assert alive == []
+
+
+def _command(process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:  # gone already
+        return ""
 
 
 @pytest.mark.alone  # it counts every /dev/shm segment and rank folder

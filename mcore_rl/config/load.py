@@ -60,11 +60,36 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> JobCo
             merged = OmegaConf.merge(merged, node)
         except OmegaConfBaseException as error:
             raise ConfigError(_describe(error, source)) from error
+    for source, node in sources[1:]:
+        _refuse_lora_fields_while_disabled(node, merged, source)
     try:
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_describe(error, "config")) from error
     return config
+
+
+def _refuse_lora_fields_while_disabled(node, merged, source: str) -> None:
+    """A LoRA field set, with `enabled` neither set beside it nor true, would silently train every
+    weight (verl users set only a rank): refuse it, naming `enabled`. A section that says
+    `enabled: false` itself (a run's saved config.yaml) is taken as written."""
+    for path in _lora_sections(node):
+        fields = list(OmegaConf.select(node, path))
+        if "enabled" not in fields and fields and not OmegaConf.select(merged, f"{path}.enabled"):
+            raise ConfigError(
+                f"{source}: {path}.{fields[0]} is set but {path}.enabled is false: adapters are "
+                f"off and every weight would train; set {path}.enabled=true, or leave the "
+                f"{path} fields out")
+
+
+def _lora_sections(node, prefix: str = "") -> list[str]:
+    """Dotted paths of every `lora` mapping in a user's config node."""
+    found = []
+    for name, value in node.items():
+        path = f"{prefix}{name}"
+        if OmegaConf.is_dict(value):
+            found += [path] if name == "lora" else _lora_sections(value, f"{path}.")
+    return found
 
 
 def to_yaml(config: JobConfig) -> str:

@@ -293,7 +293,8 @@ class RewardHackingConfig:
 
     accuracy_drop: float = 0.05
     """Sign accuracy_down: eval/accuracy (a ground-truth check) fell by more than this since
-    the first evaluation (absolute)."""
+    the first evaluation (absolute). Where it rose by more than this, the other signs do not
+    warn (the policy got better at the task)."""
 
     distinct_fraction: float = 0.1
     """Sign diversity_collapse: eval/distinct_1 fell below this fraction of its first value

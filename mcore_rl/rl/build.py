@@ -39,7 +39,8 @@ from mcore_rl.training import make_trainable
 
 from .api import with_actor_model
 from .data import TrainingData
-from .distillation import build_teacher, reward_config
+from .distillation import build_teacher
+from .job_rewards import reward_config
 from .weight_sync import WeightSync
 
 

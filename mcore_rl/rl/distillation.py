@@ -1,23 +1,21 @@
 """What on-policy distillation adds to an RL job's build: the teacher, checked before it is
-built (tokenizer, layout, memory), and the rewards of pure distillation (docs/distillation.md).
+built (tokenizer, layout, memory) on every rank (docs/distillation.md). The rewards of pure
+distillation: rl/job_rewards.py.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import torch.distributed as dist
 
 from mcore_rl.config import ConfigError, InitConfig, JobConfig, ParallelConfig
-from mcore_rl.config.reward import RewardConfig
 from mcore_rl.conversion.model_source import model_of_init
 from mcore_rl.data.tokenizer import tokenizer_folder, vocabulary_differences
 from mcore_rl.models import DTYPES
 from mcore_rl.models.pretrained import build_frozen_from_init
-from mcore_rl.rewards.unscored import UNSCORED
 from mcore_rl.roles import Teacher
 from mcore_rl.runtime import print0
+from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.devices import device_memory_bytes
 from mcore_rl.runtime.model_groups import build_model_groups
 from mcore_rl.training.memory_plan import scoring_memory, training_memory
@@ -33,26 +31,39 @@ def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher
         raise ValueError("a teacher needs the student's tokenizer to be checked against")
     settings = config.teacher
     model = model_of_init(settings.init, "teacher.init")
+    check_teacher(config, model, tokenizer, device_memory_bytes(device))
     tp, pp = settings.layout(config.parallel.tensor_model_parallel_size,
                              config.parallel.pipeline_model_parallel_size)
-    micro_batch_size = settings.micro_batch_size or config.actor.micro_batch_size
+    groups = build_model_groups(tp, pp, config.runtime.collective_timeout_minutes)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    module = build_frozen_from_init(settings.init, model, parallel, config.runtime.precision,
+                                    groups, device)
+    return Teacher(module, groups, model.vocab_size, _micro_batch_size(config),
+                   config.rollout.sampling.temperature, settings.offload,
+                   parallel_state.get_data_parallel_rank())
+
+
+def check_teacher(config: JobConfig, model, tokenizer, available: int) -> None:
+    """Raise on every trainer rank if any rank finds the teacher (`model`) unfit: its layout, its
+    tokenizer against the student's, its memory against this rank's `available` device bytes.
+    A problem one rank alone sees (its device's memory, a file it cannot read) must not leave
+    the others waiting in the teacher's first collective."""
+    settings = config.teacher
+    tp, pp = settings.layout(config.parallel.tensor_model_parallel_size,
+                             config.parallel.pipeline_model_parallel_size)
+    micro_batch_size = _micro_batch_size(config)
     problems = [f"the teacher's {problem}" for problem in model.check(tp, pp)]
     if model.moe.enabled:
         problems.append("a Mixture-of-Experts teacher is not supported yet (dense teachers only)")
     problems += teacher_tokenizer_problems(settings.init, tokenizer)
     trainers = dist.get_world_size()  # the default group: the trainers, also in split placement
-    problems += teacher_memory_problems(config, model, micro_batch_size,
-                                        device_memory_bytes(device), trainers)
-    if problems:
-        source = settings.init.hf_path or settings.init.checkpoint
-        raise ConfigError(f"teacher.init={source}: " + "; ".join(problems))
-    groups = build_model_groups(tp, pp, config.runtime.collective_timeout_minutes)
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    module = build_frozen_from_init(settings.init, model, parallel, config.runtime.precision,
-                                    groups, device)
-    return Teacher(module, groups, model.vocab_size, micro_batch_size,
-                   config.rollout.sampling.temperature, settings.offload,
-                   parallel_state.get_data_parallel_rank())
+    problems += teacher_memory_problems(config, model, micro_batch_size, available, trainers)
+    source = settings.init.hf_path or settings.init.checkpoint
+    raise_on_any_rank(problems, ConfigError, f"teacher.init={source}: ")
+
+
+def _micro_batch_size(config: JobConfig) -> int:
+    return config.teacher.micro_batch_size or config.actor.micro_batch_size
 
 
 def teacher_tokenizer_problems(init: InitConfig, tokenizer) -> list[str]:
@@ -102,13 +113,3 @@ def teacher_memory_problems(config: JobConfig, model, micro_batch_size: int,
 
 def _gib(size: float) -> str:
     return f"{size / 2 ** 30:.3g} GiB"
-
-
-def reward_config(config: JobConfig) -> RewardConfig:
-    """reward.*, where pure distillation (teacher.reward_weight=0) scores data sources without
-    a reward function 0 (rewards.unscored) instead of refusing them, unless
-    reward.default_function says otherwise."""
-    reward, teacher = config.reward, config.teacher
-    if not teacher.enabled or teacher.reward_weight or reward.default_function:
-        return reward
-    return dataclasses.replace(reward, default_function=UNSCORED)

@@ -1,9 +1,23 @@
-"""Process start-up, Megatron parallel state, seeding, and the CPU compatibility layer."""
+"""Process start-up, Megatron parallel state, seeding, and the CPU compatibility layer.
 
-from .distributed import Runtime, initialize, seed_everything, shutdown, start_process_group
-from .launch_env import LaunchEnv, read_launch_env
-from .log import is_rank0, peak_resident_mb, print0, quiet_known_warnings
+The names below are resolved on first use: a rank imports `runtime.process_guard` before
+anything heavy (to arm its launcher-death signal within a moment of starting), and that must not
+pull torch in through this package.
+"""
 
-__all__ = ["LaunchEnv", "Runtime", "initialize", "is_rank0", "peak_resident_mb", "print0",
-           "quiet_known_warnings",
-           "read_launch_env", "seed_everything", "shutdown", "start_process_group"]
+import importlib
+
+_OWNERS = {"Runtime": "distributed", "initialize": "distributed",
+           "seed_everything": "distributed", "shutdown": "distributed",
+           "start_process_group": "distributed", "LaunchEnv": "launch_env",
+           "read_launch_env": "launch_env", "is_rank0": "log", "peak_resident_mb": "log",
+           "print0": "log", "quiet_known_warnings": "log"}
+"""Each exported name: the module that defines it."""
+
+__all__ = sorted(_OWNERS)
+
+
+def __getattr__(name: str):
+    if name in _OWNERS:
+        return getattr(importlib.import_module(f".{_OWNERS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

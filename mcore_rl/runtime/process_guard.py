@@ -72,17 +72,29 @@ def system_temp_dir() -> str:
 
 
 def exit_with_launcher() -> bool:
-    """Under torchrun on Linux: be killed when torchrun's agent dies (exit now if it already
-    has). Returns whether the guard is set."""
+    """Under torchrun on Linux: be killed when torchrun's agent dies, or exit now if it already
+    has (this process's parent is then init or a subreaper, not torchrun: a rank started by a
+    launcher killed while the rank was still importing). Call first thing, before the imports.
+    Returns whether the guard is set."""
     if LAUNCHED_BY_TORCHRUN not in os.environ or not sys.platform.startswith("linux"):
         return False
-    launcher = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return False
-    if os.getppid() != launcher:  # the agent died before the guard was set
+    if not _is_torchrun(os.getppid()):
         os._exit(1)
     return True
+
+
+def _is_torchrun(pid: int) -> bool:
+    """Whether process `pid` runs torchrun (`torchrun`, `python -m torch.distributed.run` or
+    `.launch`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            command = handle.read().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return pid != 1 and (b"torchrun" in command or b"torch.distributed." in command)
 
 
 def guard_this_rank() -> str | None:
