@@ -246,7 +246,8 @@ def steps_under_device_discipline(out_path: str, overrides: list[str]) -> None:
 def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
     """Two GRPO steps through vLLM (the second after an optimizer step and a new sync), then
     vLLM's greedy responses next to the Megatron engine's on the actor itself (the trainer's
-    argmax). Rank 0 saves the metrics, the chosen rank order and both greedy token lists."""
+    argmax); with a reference model, an evaluation. Rank 0 saves the metrics, the chosen rank
+    order, both greedy token lists and the evaluation."""
     from mcore_rl.config.rollout import PromptConfig, SamplingConfig
     from mcore_rl.rollout import MegatronEngine
 
@@ -261,9 +262,10 @@ def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
         megatron = MegatronEngine(trainer.roles.actor.module, trainer.config.model, 16)
         megatron_greedy = [c.token_ids for c in megatron.generate(prompts, greedy,
                                                                   config).completions]
+    evaluation = trainer.evaluate() if trainer.config.algorithm.needs_reference else None
     result = {"history": history, "rank_order": trainer.config.parallel.rank_order,
               "vllm": [c.token_ids for c in vllm_greedy.completions],
-              "megatron": megatron_greedy}
+              "megatron": megatron_greedy, "evaluation": evaluation}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, result)
     if dist.get_rank() == 0:

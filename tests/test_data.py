@@ -385,3 +385,18 @@ def test_reasoning_gym_task_kwargs_reach_the_generator_and_bad_ones_are_named():
     errors = DataConfig(reasoning_gym=ReasoningGymConfig(
         tasks=["chain_sum"], task_kwargs={"basic_arithmetic": {}})).errors()
     assert any("task_kwargs has settings for ['basic_arithmetic']" in error for error in errors)
+
+
+def test_fewer_validation_prompts_than_data_parallel_ranks_are_refused(tmp_path):
+    """A rank without a validation prompt cannot evaluate while its peers wait for it: refused
+    at load, naming the fields (measured before: rank 1 raised "no prompts were given")."""
+    from mcore_rl.config import load_config
+    from mcore_rl.rl.data import load_training_data
+
+    tokenizer = write_toy_tokenizer(str(tmp_path))
+    config = load_config("configs/grpo_toy.yaml", [f"data.tokenizer={tokenizer}",
+                                                   "data.toy.val_size=1"])
+    assert len(load_training_data(config, 0, 1).validation) == 1
+    with pytest.raises(DataError, match=r"data\.toy\.val_size.* has 1 prompts for 2 "
+                                        r"data-parallel ranks"):
+        load_training_data(config, 0, 2)

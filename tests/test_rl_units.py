@@ -237,6 +237,11 @@ def test_rl_config_rules_name_the_fields():
     with pytest.raises(ConfigError, match="old_logprobs=engine needs on-policy batches"):
         validate_rl(load_config(None, ["rollout.old_logprobs=engine",
                                        "rollout.async_rollout=true"]), 1)
+    for truncated in ("rollout.sampling.top_p=0.9", "rollout.sampling.top_k=5"):
+        with pytest.raises(ConfigError, match=r"old_logprobs=engine with rollout\.sampling\."
+                                              r"top_p=.* the engine reports log-probs under the "
+                                              r"truncated"):
+            validate_rl(load_config(None, ["rollout.old_logprobs=engine", truncated]), 1)
     with pytest.raises(ConfigError, match="reward.shaping cannot be combined with algorithm."
                                           "estimator=remax"):
         validate_rl(load_config(None, ["algorithm.estimator=remax",

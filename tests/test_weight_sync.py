@@ -18,7 +18,9 @@ without the sync re-running the repack, this world's kernel refuses the unpadded
 at TP1 an updated model's log-probs come out wrong.) It replays the engine's routes (r3):
 captured from vLLM's routers by the tokens each request fed, every one is followed
 (moe/router_agreement = 1.0, observed on the trainer's routers) and the log-probs still agree,
-which they would not if a route landed on the wrong token.
+which they would not if a route landed on the wrong token. It also evaluates 3 validation
+prompts over its two data-parallel ranks with a KL to the reference: shards of 2 and 1 prompts
+must still take the same number of micro-batches (all-to-alls over EP2).
 """
 
 import os
@@ -35,6 +37,10 @@ WIDE_TIED = ["model.hidden_size=256", "model.num_attention_heads=4", "model.num_
              "model.ffn_hidden_size=512", "model.tie_embeddings=true"]
 MOE = ["model.qk_norm=true", "model.moe.num_experts=4", "model.moe.ffn_hidden_size=32",
        "model.moe.router_topk=2", "model.moe.dense_layers=[0]"]
+UNEVEN_EVALUATION = ["algorithm.use_kl_loss=true", "data.toy.val_size=3",
+                     "rollout.eval_sampling.n=32", "rollout.eval_sampling.temperature=1.0"]
+"""3 validation prompts over DP2 (2 and 1), 32 responses each at micro-batches of 32: the
+ranks' KL-to-reference passes would take 2 and 1 micro-batches, each an all-to-all over EP2."""
 CASES = {  # name: (world size, overrides)
     "tp2pp2_to_tp4_tied": (4, WIDE_TIED + ["parallel.tensor_model_parallel_size=2",
                                            "parallel.pipeline_model_parallel_size=2",
@@ -42,7 +48,8 @@ CASES = {  # name: (world size, overrides)
     "tp1pp4_to_tp2": (4, ["model.num_layers=4", "parallel.pipeline_model_parallel_size=4",
                           "rollout.rollout_tp=2"]),
     "moe_ep2_to_tp2_r3": (2, MOE + ["parallel.expert_model_parallel_size=2",
-                                    "rollout.rollout_tp=2", "rollout.routing_replay=r3"]),
+                                    "rollout.rollout_tp=2", "rollout.routing_replay=r3"]
+                          + UNEVEN_EVALUATION),
 }
 
 
@@ -72,6 +79,15 @@ def test_engine_matches_trainer_after_each_sync(case):
     for rank in ranks:
         if rank["megatron"] is not None:  # None: no generation on the actor with EP > 1
             assert rank["vllm"] == rank["megatron"]
+
+
+def test_uneven_validation_shards_evaluate_with_experts_split(case):
+    """Each rank scores as many micro-batches as the rank with the most validation rows."""
+    name, ranks = case
+    if UNEVEN_EVALUATION[0] not in CASES[name][1]:
+        pytest.skip("evaluated in the MoE world only")
+    kl = ranks[0]["evaluation"]["eval/kl_to_reference"]
+    assert 0 <= kl < 1, kl  # two small steps from the reference
 
 
 def test_each_rank_receives_exactly_what_it_lacks(case):

@@ -318,7 +318,8 @@ def _placement_errors(config: JobConfig, world_size: int) -> list[str]:
 
 
 def _engine_old_logprob_errors(config: JobConfig) -> list[str]:
-    """rollout.old_logprobs=engine is exact only for a batch used for one on-policy step."""
+    """rollout.old_logprobs=engine is exact only for a batch used for one on-policy step, sampled
+    from the whole distribution."""
     rollout, trainer = config.rollout, config.trainer
     if rollout.old_logprobs != "engine":
         return []
@@ -331,6 +332,13 @@ def _engine_old_logprob_errors(config: JobConfig) -> list[str]:
         errors.append("rollout.old_logprobs=engine needs on-policy batches without "
                       "importance sampling (rollout.async_rollout=false, max_staleness=0, "
                       "importance_cap=0)")
+    sampling = rollout.sampling
+    if sampling.top_p < 1 or sampling.top_k != -1:
+        errors.append(f"rollout.old_logprobs=engine with rollout.sampling.top_p={sampling.top_p} "
+                      f"and top_k={sampling.top_k}: the engine reports log-probs under the "
+                      "truncated, renormalised distribution it sampled from, the trainer's "
+                      "ratio and the teacher's KL need the full softmax; use top_p=1.0 and "
+                      "top_k=-1, or rollout.old_logprobs=trainer")
     return errors
 
 

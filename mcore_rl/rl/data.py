@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcore_rl.config import JobConfig
-from mcore_rl.data import (PromptRecord, PromptSampler, encode_prompts, load_records,
+from mcore_rl.data import (DataError, PromptRecord, PromptSampler, encode_prompts, load_records,
                            load_tokenizer, pad_id)
 from mcore_rl.runtime import print0
 
@@ -114,6 +114,11 @@ def load_training_data(config: JobConfig, dp_rank: int, dp_size: int) -> Trainin
     tokenizer = load_tokenizer(config)
     train = _encoded(config, "train", tokenizer)
     validation = _encoded(config, "val", tokenizer)
+    if 0 < len(validation.records) < dp_size:
+        raise DataError(
+            f"the validation split (data.val_files, data.toy.val_size or data.reasoning_gym."
+            f"val_size) has {len(validation.records)} prompts for {dp_size} data-parallel "
+            f"ranks: each rank evaluates at least one; give at least {dp_size}, or none")
     sampler = PromptSampler(len(train.records), config.rollout.prompts_per_step, dp_rank,
                             dp_size, config.data.seed, config.data.shuffle)
     return TrainingData(train.records, train.token_ids, validation.records, validation.token_ids,

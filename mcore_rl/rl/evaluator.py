@@ -8,14 +8,16 @@ everyone's samples, so every evaluator computes the same numbers everywhere.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from mcore_rl.algorithms.kl import kl_estimate
 from mcore_rl.config import JobConfig
 from mcore_rl.evaluation import EvalSamples, Evaluator, default_evaluators, run_evaluators
 from mcore_rl.observability.step_metrics import SumsAndCounts
+from mcore_rl.runtime.devices import collective_device
 from mcore_rl.runtime.faults import kill_point
-from mcore_rl.training.batches import pad_rows_to_multiple
+from mcore_rl.training.batches import pad_rows_to
 
 from .data import TrainingData
 from .step_statistics import episode_statistics
@@ -85,13 +87,22 @@ class RLEvaluator:
         generated responses, over all data-parallel ranks."""
         rows = generation.response_tensors(self.data.pad_id)
         count = rows["input_ids"].shape[0]
-        padded = pad_rows_to_multiple(rows, self.config.actor.micro_batch_size)
+        padded = pad_rows_to(rows, self._rows_on_every_rank(count))
         policy = self.roles.actor.logprobs(padded)["logprobs"][:count]
         reference = self.roles.reference.logprobs(padded)[:count]
         stats = SumsAndCounts()
         stats.add("kl", kl_estimate(policy, reference, self.config.algorithm.kl_estimator),
                   rows["response_mask"])
         return stats.reduce(self.dp_group)["kl"]
+
+    def _rows_on_every_rank(self, count: int) -> int:
+        """Rows each data-parallel rank scores: the most any rank has (validation shards may
+        differ by a prompt), up to whole micro-batches. Equal micro-batch counts everywhere: at
+        EP > 1 each one is an all-to-all over the data-parallel ranks."""
+        most = torch.tensor([count], device=collective_device(self.dp_group))
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
+        micro_batch_size = self.config.actor.micro_batch_size
+        return -(-int(most.item()) // micro_batch_size) * micro_batch_size
 
 
 def _prompt_text(prompt) -> str:

@@ -84,7 +84,12 @@ def pad_rows_to_multiple(batch: Batch, multiple: int) -> Batch:
     `multiple` (pipeline schedules need equal micro-batches); slice outputs back to the
     original count."""
     rows = batch["input_ids"].shape[0]
-    missing = -rows % multiple
+    return pad_rows_to(batch, rows - rows % -multiple)
+
+
+def pad_rows_to(batch: Batch, total: int) -> Batch:
+    """The batch with copies of its last row appended up to `total` rows."""
+    missing = total - batch["input_ids"].shape[0]
     if missing == 0:
         return batch
     return {name: torch.cat([tensor, tensor[-1:].expand(missing, *tensor.shape[1:])])
