@@ -263,14 +263,36 @@ def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
         megatron_greedy = [c.token_ids for c in megatron.generate(prompts, greedy,
                                                                   config).completions]
     evaluation = trainer.evaluate() if trainer.config.algorithm.needs_reference else None
+    held_routes = None
+    if trainer.config.model.moe.enabled:  # episodes' path: streamed, no routes to keep
+        held_routes = _stream_and_count_held_routes(trainer.scheduler.generator.engine,
+                                                    prompts, greedy)
     result = {"history": history, "rank_order": trainer.config.parallel.rank_order,
               "vllm": [c.token_ids for c in vllm_greedy.completions],
-              "megatron": megatron_greedy, "evaluation": evaluation}
+              "megatron": megatron_greedy, "evaluation": evaluation,
+              "held_routes": held_routes}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, result)
     if dist.get_rank() == 0:
         torch.save(everyone, out_path)
     trainer.close()
+
+
+def _stream_and_count_held_routes(engine, prompts, sampling) -> int:
+    """Generate through the engine's streaming interface (as multi-turn episodes do), then the
+    number of engine steps whose MoE routes the engine still holds."""
+    from mcore_rl.rollout import SampleRequest
+
+    seeded = dataclasses.replace(sampling, seed=1)
+    engine.add_requests([SampleRequest(f"stream{index}", list(prompt), seeded, index, 0)
+                         for index, prompt in enumerate(prompts[:4])])
+    while engine.has_unfinished():
+        engine.step()
+    return engine.llm.collective_rpc(_held_route_steps)[0]
+
+
+def _held_route_steps(worker) -> int:
+    return len(worker.mcore_rl_routes.steps)
 
 
 def seed_python_loop(out_path: str, overrides: list[str], steps: int) -> None:

@@ -190,6 +190,19 @@ def test_group_of_one_and_bad_assignments(world_of_one):
     assert_same_batch(reordered, expected)
 
 
+def test_routes_past_each_length_stay_unrouted(world_of_one):
+    """routed_experts past a row's length is NO_ROUTE after the exchange, as before it (zeros
+    would replay k copies of expert 0 for those tokens)."""
+    from mcore_rl.models.moe_routing import NO_ROUTE
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    routes = torch.where(mask.bool()[:, :, None, None], torch.tensor(2, dtype=torch.int16),
+                         torch.tensor(NO_ROUTE, dtype=torch.int16)).expand(2, 5, 1, 2).clone()
+    batch = {"attention_mask": mask, "routed_experts": routes}
+    swapped = exchange_rows(batch, [[(0, 1), (0, 0)]], None)
+    assert torch.equal(swapped["routed_experts"], routes.flip(0))
+
+
 def expected_rows(batches: list[dict], lengths: list[list[int]], items) -> dict:
     """The batch a destination holding `items` must have, built row by row from the sources:
     sequence tensors padded to the longest row held and zero past every row's length."""

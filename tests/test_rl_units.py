@@ -314,3 +314,15 @@ def test_nonfinite_loss_skips_the_update(tmp_path):
     assert found["skipped"]["update_skipped"] and math.isnan(found["skipped"]["loss"])
     assert found["unchanged"] and found["scheduler_steps"] == 0
     assert not found["taken"]["update_skipped"] and found["changed"]
+
+
+def test_filler_routes_load_every_expert_alike():
+    """Tokens without a given route (padding, a response's last token) are still dispatched
+    under replay: k different experts each, every expert (so every EP rank) loaded alike."""
+    from mcore_rl.models.moe_routing import filler_routes
+
+    routes = filler_routes((3, 10), topk=2, experts=8)
+    assert routes.shape == (3, 10, 2)
+    assert (routes[..., 0] != routes[..., 1]).all()
+    load = torch.bincount(routes.flatten(), minlength=8)
+    assert load.max() - load.min() <= 1, load

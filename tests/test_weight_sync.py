@@ -16,9 +16,10 @@ rank, and vLLM-CPU pads the experts' FFN (32 / TP2 = 16) to 32 and repacks them:
 bounds hold, the log-probs over two syncs included. (vLLM repacks experts only at start-up:
 without the sync re-running the repack, this world's kernel refuses the unpadded weights, and
 at TP1 an updated model's log-probs come out wrong.) It replays the engine's routes (r3):
-captured from vLLM's routers by the tokens each request fed, every one is followed
-(moe/router_agreement = 1.0, observed on the trainer's routers) and the log-probs still agree,
-which they would not if a route landed on the wrong token. It also evaluates 3 validation
+captured from vLLM's routers by the tokens each request fed, the trainer's routers would have
+chosen them too (moe/router_agreement = 1.0 in fp32) and the log-probs still agree, which they
+would not if a route landed on the wrong token; responses streamed through the engine (as
+episodes are) leave no routes behind. It also evaluates 3 validation
 prompts over its two data-parallel ranks with a KL to the reference: shards of 2 and 1 prompts
 must still take the same number of micro-batches (all-to-alls over EP2).
 """
@@ -41,13 +42,14 @@ UNEVEN_EVALUATION = ["algorithm.use_kl_loss=true", "data.toy.val_size=3",
                      "rollout.eval_sampling.n=32", "rollout.eval_sampling.temperature=1.0"]
 """3 validation prompts over DP2 (2 and 1), 32 responses each at micro-batches of 32: the
 ranks' KL-to-reference passes would take 2 and 1 micro-batches, each an all-to-all over EP2."""
+MOE_CASE = "moe_ep2_to_tp2_r3"
 CASES = {  # name: (world size, overrides)
     "tp2pp2_to_tp4_tied": (4, WIDE_TIED + ["parallel.tensor_model_parallel_size=2",
                                            "parallel.pipeline_model_parallel_size=2",
                                            "rollout.rollout_tp=4"]),
     "tp1pp4_to_tp2": (4, ["model.num_layers=4", "parallel.pipeline_model_parallel_size=4",
                           "rollout.rollout_tp=2"]),
-    "moe_ep2_to_tp2_r3": (2, MOE + ["parallel.expert_model_parallel_size=2",
+    MOE_CASE: (2, MOE + ["parallel.expert_model_parallel_size=2",
                                     "rollout.rollout_tp=2", "rollout.routing_replay=r3"]
                           + UNEVEN_EVALUATION),
 }
@@ -74,7 +76,7 @@ def test_engine_matches_trainer_after_each_sync(case):
     for step in ranks[0]["history"]:
         assert step["rollout/logprob_abs_diff_max"] <= 1e-4, name
         assert step["reshard/syncs"] == 1
-        if name.startswith("moe"):  # replayed engine routes: wrong ones move log-probs by ~0.6
+        if name == MOE_CASE:  # replayed engine routes: wrong ones move log-probs by ~0.6
             assert step["moe/router_agreement"] == 1.0
     for rank in ranks:
         if rank["megatron"] is not None:  # None: no generation on the actor with EP > 1
@@ -84,10 +86,19 @@ def test_engine_matches_trainer_after_each_sync(case):
 def test_uneven_validation_shards_evaluate_with_experts_split(case):
     """Each rank scores as many micro-batches as the rank with the most validation rows."""
     name, ranks = case
-    if UNEVEN_EVALUATION[0] not in CASES[name][1]:
+    if name != MOE_CASE:
         pytest.skip("evaluated in the MoE world only")
     kl = ranks[0]["evaluation"]["eval/kl_to_reference"]
     assert 0 <= kl < 1, kl  # two small steps from the reference
+
+
+def test_streamed_responses_leave_no_routes_behind(case):
+    """Multi-turn episodes stream through the engine: the routes vLLM's routers report for
+    them must not pile up (they grew every step until memory ran out)."""
+    name, ranks = case
+    if name != MOE_CASE:
+        pytest.skip("routes are captured for MoE models only")
+    assert [rank["held_routes"] for rank in ranks] == [0, 0]
 
 
 def test_each_rank_receives_exactly_what_it_lacks(case):

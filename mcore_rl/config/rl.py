@@ -175,8 +175,8 @@ class RolloutConfig:
     replay, arXiv 2510.11370), in the old-log-prob, reference and update passes. r2: those the
     actor took in the old-log-prob pass, replayed by the reference and the updates (needs
     old_logprobs=trainer). When the engine returns routes (vLLM), the step logs
-    moe/router_agreement: the share of (token, layer, k) routes the trainer took that equal
-    the engine's."""
+    moe/router_agreement: the share of (token, layer, k) routes the trainer's routers choose
+    themselves (also while replaying) that equal the engine's."""
 
     max_staleness: int = 0
     """Split placement: a sample trains at most this many policy versions after the version

@@ -39,6 +39,16 @@ def moe_layers(model: ModelConfig) -> list[int]:
     return [layer for layer in range(model.num_layers) if model.moe.is_moe_layer(layer)]
 
 
+def filler_routes(tokens: tuple[int, ...], topk: int, experts: int,
+                  device=None) -> torch.Tensor:
+    """Routes [*tokens, k] for tokens no output depends on (padding, a response's last token),
+    which are dispatched all the same: k different experts per token, token after token round
+    the experts, so that they load every expert (and EP rank) alike, not experts 0..k-1."""
+    count = torch.Size(tokens).numel()
+    first = torch.arange(count, device=device).reshape(tokens) * topk
+    return (first[..., None] + torch.arange(topk, device=device)) % experts
+
+
 def local_routers(chunk, model: ModelConfig) -> list[tuple[int, torch.nn.Module]]:
     """(route slot, router) of every MoE layer of this model chunk (this pipeline stage)."""
     from megatron.core.utils import unwrap_model
@@ -127,11 +137,11 @@ class RoutingPass:
 
     @contextmanager
     def _replaying(self, router, routes: torch.Tensor) -> Iterator[None]:
-        """`router` routes token (row, position) to routes[row, position] (-1: experts 0..k-1,
-        positions no output depends on)."""
+        """`router` routes token (row, position) to routes[row, position] (NO_ROUTE: a filler
+        route, `filler_routes`; positions no output depends on)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        filler = torch.arange(self.topk, device=routes.device).expand_as(routes)
+        filler = filler_routes(routes.shape[:-1], self.topk, self.experts, routes.device)
         routes = torch.where(routes == NO_ROUTE, filler, routes.long())
         replay = router.router_replay
         replay.set_target_indices(_sequence_major(routes, router.config.sequence_parallel))
@@ -156,13 +166,17 @@ class RoutingPass:
         taken = routing_map.to(torch.int8).topk(self.topk, dim=-1).indices
         load, probs_sum, entropy_sum, tokens, agreeing = self._parts(
             self._accumulated(hidden.device))
+        logits = router.gating(hidden).reshape(-1, self.experts)
         if given is not None:
             engine = _sequence_major(given[:, :, slot].long(), sequence_parallel)
             counted = counted & (engine[:, 0] != NO_ROUTE)
-            equal = (taken[:, :, None] == engine[:, None, :]).any(dim=-1)[counted]
+            # The router's own choice, also while it replays (then `taken` is the replayed
+            # routes): top-k of its softmax scores, which are the logits' (no expert bias).
+            own = logits.topk(self.topk, dim=-1).indices if self.replay else taken
+            equal = (own[:, :, None] == engine[:, None, :]).any(dim=-1)[counted]
             agreeing[0] += equal.sum()
             agreeing[1] += counted.sum() * self.topk
-        probs = torch.softmax(router.gating(hidden).reshape(-1, self.experts).double(), dim=-1)
+        probs = torch.softmax(logits.double(), dim=-1)
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
         load[slot] += routing_map[counted].sum(dim=0)
         probs_sum[slot] += probs[counted].sum(dim=0)
@@ -189,8 +203,9 @@ class RoutingPass:
         moe/expert_load_max_mean (tokens of the busiest expert over the mean, averaged over
         layers; 1 is perfectly balanced), moe/load_balancing (Switch: E x sum_i f_i P_i, 1 when
         balanced), moe/router_entropy (nats, mean over tokens and layers) and, when routes
-        were given, moe/router_agreement (the fraction of (token, layer, k) routes taken that
-        equal the given ones)."""
+        were given, moe/router_agreement (the fraction of (token, layer, k) routes the routers
+        chose themselves that equal the given ones: under replay too, so a replayed run still
+        shows the drift replay corrects)."""
         # A copy (the pass's own figures stay as they are); zeros on a stage without MoE.
         totals = self._accumulated(device).to(device, copy=True)
         dist.all_reduce(totals)

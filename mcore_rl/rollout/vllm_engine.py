@@ -229,7 +229,10 @@ class VllmEngine(RolloutEngine):
 
     def step(self) -> list[FinishedSample]:
         finished = []
-        for output in self.llm.llm_engine.step():
+        outputs = self.llm.llm_engine.step()
+        if self._moe_layers:  # streamed responses carry no routes: keep none of this step's
+            self.llm.collective_rpc(_drop_routes)
+        for output in outputs:
             if output.request_id not in self._streams:
                 continue  # aborted after this step's outputs were made
             delta = output.outputs[0]
@@ -457,6 +460,10 @@ def _capture_routes(worker, moe_layers: list[int]) -> None:
 
 def _taken_routes(worker) -> dict[tuple, torch.Tensor]:
     return worker.mcore_rl_routes.take()
+
+
+def _drop_routes(worker) -> None:
+    worker.mcore_rl_routes.steps = []
 
 
 def _refresh_tied_head(worker, tied_head: str | None) -> None:

@@ -19,7 +19,8 @@ Batch layout: a dict of tensors that all have the same number of rows n (dim 0),
 right-padded `attention_mask` [n, s] (ones, then zeros; a row's length is its sum). A tensor is
 a *sequence tensor* when it has at least two dimensions and its dim 1 equals the mask's width s
 ([n, s] or [n, s, ...]); it is trimmed and re-padded along dim 1, and in the result every
-position past its row's length is zero. Every other tensor ([n], or [n, k, ...] with k != s) moves
+position past its row's length is zero (`routed_experts`: NO_ROUTE, no route given, which a
+zero would turn into k copies of expert 0). Every other tensor ([n], or [n, k, ...] with k != s) moves
 whole rows and must have the same trailing shape on every rank. Keys and dtypes must agree over
 the group; different ranks may have different widths s.
 
@@ -33,12 +34,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..models.moe_routing import NO_ROUTE
 from ..runtime.devices import collective_device
 from .balance_plan import (Assignment, balanced_assignment, max_over_mean, rank_tokens,
                            rows_moved, unchanged)
 
 Batch = dict[str, torch.Tensor]
 MASK = "attention_mask"
+PADDING = {"routed_experts": NO_ROUTE}
+"""What a sequence tensor holds past its row's length, where not 0."""
 
 
 # ----------------------------------------------------------------------------- the exchange
@@ -186,7 +190,7 @@ def _take_rows(tensor: torch.Tensor, rows: list[int], trim: int | None) -> torch
 
 def _assemble(batch: Batch, mine: list[tuple[int, int]], me: int, new_lengths: list[int],
               inbox: list) -> Batch:
-    """This rank's new batch: kept rows copied, received rows placed, zeros past each length."""
+    """This rank's new batch: kept rows copied, received rows placed, padding past each length."""
     width, new_width = _width(batch), max(new_lengths, default=0)
     kept = [index for index, (rank, _) in enumerate(mine) if rank == me]
     kept_rows = [row for rank, row in mine if rank == me]
@@ -200,8 +204,8 @@ def _assemble(batch: Batch, mine: list[tuple[int, int]], me: int, new_lengths: l
                                          if sequence else None), sequence)
     for name, positions, buffer in inbox:
         _place(result[name], positions, buffer, _is_sequence(batch[name], width))
-    return {name: _zero_padding(out, new_lengths) if _is_sequence(batch[name], width) else out
-            for name, out in result.items()}
+    return {name: _padded(out, new_lengths, PADDING.get(name, 0))
+            if _is_sequence(batch[name], width) else out for name, out in result.items()}
 
 
 def _place(out: torch.Tensor, positions: list[int], rows: torch.Tensor, sequence: bool) -> None:
@@ -214,11 +218,13 @@ def _place(out: torch.Tensor, positions: list[int], rows: torch.Tensor, sequence
         out[index] = rows
 
 
-def _zero_padding(tensor: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+def _padded(tensor: torch.Tensor, lengths: list[int], value: int) -> torch.Tensor:
+    """`tensor` with `value` at every position past its row's length."""
     limits = torch.tensor(lengths, dtype=torch.long, device=tensor.device)
     valid = torch.arange(tensor.shape[1], device=tensor.device) < limits.unsqueeze(1)
     valid = valid.reshape(*valid.shape, *([1] * (tensor.dim() - 2)))
-    return torch.where(valid, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+    return torch.where(valid, tensor, torch.full((), value, dtype=tensor.dtype,
+                                                 device=tensor.device))
 
 
 # ----------------------------------------------------------------------------- both
