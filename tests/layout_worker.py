@@ -77,7 +77,8 @@ def routing_checks(chunks: list, local: dict, model: ModelConfig) -> dict:
     """The routes the routers take on `local`, then two replays: of those very routes, and of
     each route moved to the next expert. For each: the log-probs (all rows, rank 0), whether
     every router took exactly the given routes (all ranks), and the pass's MoE metrics."""
-    natural = RoutingPass(model, replay=False, observe=True, keep_routes=True)
+    natural = RoutingPass(model, replay=False, observe=True, keep_routes=True,
+                          expect_routes=True)
     outputs = compute_outputs(chunks, local, MICRO_BATCH, "lm", model.vocab_size,
                               routing=natural)
     routes = natural.routes(*local["input_ids"].shape)
@@ -85,7 +86,8 @@ def routing_checks(chunks: list, local: dict, model: ModelConfig) -> dict:
     result = {"natural": {"logprobs": _gather_to_rank0(outputs["logprobs"]),
                           "metrics": natural.metrics(collective_device())}}
     for name, given in (("replayed", routes), ("moved", moved)):
-        replay = RoutingPass(model, replay=True, observe=True, keep_routes=True)
+        replay = RoutingPass(model, replay=True, observe=True, keep_routes=True,
+                             expect_routes=True)
         outputs = compute_outputs(chunks, dict(local, routed_experts=given), MICRO_BATCH, "lm",
                                   model.vocab_size, routing=replay)
         taken = replay.routes(*local["input_ids"].shape).sort(dim=-1).values

@@ -138,5 +138,8 @@ def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world):
     # Agreement: the routers' own choices against the given routes, not the replayed ones.
     assert routing["replayed"]["metrics"]["moe/router_agreement"] == 1.0
     assert 0 < routing["moved"]["metrics"]["moe/router_agreement"] < 0.9
+    # The share of fed tokens' routes that were given: none without routes, all with them.
+    assert routing["natural"]["metrics"]["moe/routes_replayed"] == 0.0
+    assert routing["replayed"]["metrics"]["moe/routes_replayed"] == 1.0
     for name, value in one_rank["natural"]["metrics"].items():
         assert abs(routing["natural"]["metrics"][name] - value) <= 1e-6, name

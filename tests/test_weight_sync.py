@@ -77,7 +77,7 @@ def test_engine_matches_trainer_after_each_sync(case):
         assert step["rollout/logprob_abs_diff_max"] <= 1e-4, name
         assert step["reshard/syncs"] == 1
         if name == MOE_CASE:  # replayed engine routes: wrong ones move log-probs by ~0.6
-            assert step["moe/router_agreement"] == 1.0
+            assert step["moe/router_agreement"] == 1.0 == step["moe/routes_replayed"]
     for rank in ranks:
         if rank["megatron"] is not None:  # None: no generation on the actor with EP > 1
             assert rank["vllm"] == rank["megatron"]

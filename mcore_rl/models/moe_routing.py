@@ -39,6 +39,12 @@ def moe_layers(model: ModelConfig) -> list[int]:
     return [layer for layer in range(model.num_layers) if model.moe.is_moe_layer(layer)]
 
 
+def _all_but_last(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, s] bool: a right-padded row's real tokens without its last."""
+    return (attention_mask.cumsum(dim=1) < attention_mask.sum(dim=1, keepdim=True)) & \
+        attention_mask.bool()
+
+
 def filler_routes(tokens: tuple[int, ...], topk: int, experts: int,
                   device=None) -> torch.Tensor:
     """Routes [*tokens, k] for tokens no output depends on (padding, a response's last token),
@@ -87,8 +93,8 @@ class RoutingPass:
     until `metrics()`."""
 
     def __init__(self, model: ModelConfig, replay: bool, observe: bool,
-                 keep_routes: bool = False):
-        self.model, self.replay = model, replay
+                 keep_routes: bool = False, expect_routes: bool = False):
+        self.model, self.replay, self.expect_routes = model, replay, expect_routes
         self.observe, self.keep_routes = observe or keep_routes, keep_routes
         self.topk, self.experts = model.moe.router_topk, model.moe.num_experts
         self.layers = len(moe_layers(model))
@@ -96,23 +102,23 @@ class RoutingPass:
         """(batch rows, routes [b, s, layers, k]) of each observed micro-batch (keep_routes)."""
         self._totals: torch.Tensor | None = None
         """Per layer: tokens per expert, summed router probabilities per expert, summed
-        entropy, tokens; then (routes equal to the given ones, routes compared). Allocated on
-        the device of the first observation."""
+        entropy, tokens; then (routes equal to the given ones, routes compared), (fed tokens'
+        routes given, fed tokens' routes). Allocated on the device of the first observation."""
 
     def _accumulated(self, device: torch.device) -> torch.Tensor:
         if self._totals is None:
-            size = 2 * self.layers * self.experts + 2 * self.layers + 2
+            size = 2 * self.layers * self.experts + 2 * self.layers + 4
             self._totals = torch.zeros(size, dtype=torch.float64, device=device)
         return self._totals
 
     def _parts(self, totals: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(load [layers, E], probs [layers, E], entropy [layers], tokens [layers],
-        agreeing [2]) views of `totals`."""
+        agreeing [2], replayed [2]) views of `totals`."""
         matrix = self.layers * self.experts
-        load, probs, entropy, tokens, agreeing = totals.split(
-            [matrix, matrix, self.layers, self.layers, 2])
+        load, probs, entropy, tokens, agreeing, replayed = totals.split(
+            [matrix, matrix, self.layers, self.layers, 2, 2])
         return (load.view(self.layers, -1), probs.view(self.layers, -1), entropy, tokens,
-                agreeing)
+                agreeing, replayed)
 
     @contextmanager
     def micro_batch(self, chunk, micro_batch: dict) -> Iterator[None]:
@@ -164,8 +170,14 @@ class RoutingPass:
         counted = _sequence_major(micro_batch["attention_mask"].bool(), sequence_parallel)
         # Dropless routing: each token's row holds exactly k experts (in no particular order).
         taken = routing_map.to(torch.int8).topk(self.topk, dim=-1).indices
-        load, probs_sum, entropy_sum, tokens, agreeing = self._parts(
+        load, probs_sum, entropy_sum, tokens, agreeing, replayed = self._parts(
             self._accumulated(hidden.device))
+        if self.expect_routes:  # the engine fed every real token but a row's last
+            fed = _sequence_major(_all_but_last(micro_batch["attention_mask"]), sequence_parallel)
+            if given is not None:
+                replayed[0] += (fed & (_sequence_major(given[:, :, slot, 0], sequence_parallel)
+                                       != NO_ROUTE)).sum()
+            replayed[1] += fed.sum()
         logits = router.gating(hidden).reshape(-1, self.experts)
         if given is not None:
             engine = _sequence_major(given[:, :, slot].long(), sequence_parallel)
@@ -205,11 +217,13 @@ class RoutingPass:
         balanced), moe/router_entropy (nats, mean over tokens and layers) and, when routes
         were given, moe/router_agreement (the fraction of (token, layer, k) routes the routers
         chose themselves that equal the given ones: under replay too, so a replayed run still
-        shows the drift replay corrects)."""
+        shows the drift replay corrects); with `expect_routes` (r3), moe/routes_replayed: the
+        share of (token, MoE layer) routes of the tokens the engine fed (all real tokens but a
+        row's last) that the engine gave, 1.0 when every route came from the engine."""
         # A copy (the pass's own figures stay as they are); zeros on a stage without MoE.
         totals = self._accumulated(device).to(device, copy=True)
         dist.all_reduce(totals)
-        load, probs, entropy, tokens, agreeing = self._parts(totals.cpu())
+        load, probs, entropy, tokens, agreeing, replayed = self._parts(totals.cpu())
         fraction = load / load.sum(dim=1, keepdim=True).clamp_min(1)
         mean_prob = probs / tokens.clamp_min(1)[:, None]
         metrics = {
@@ -220,4 +234,6 @@ class RoutingPass:
         }
         if agreeing[1] > 0:
             metrics["moe/router_agreement"] = float(agreeing[0] / agreeing[1])
+        if self.expect_routes:
+            metrics["moe/routes_replayed"] = float(replayed[0] / replayed[1].clamp_min(1))
         return metrics

@@ -11,6 +11,7 @@ from mcore_rl.config.rl import ImportanceCorrection
 from mcore_rl.models.moe_routing import RoutingPass
 from mcore_rl.models.lora import served_parameters
 from mcore_rl.runtime.devices import collective_device
+from mcore_rl.runtime.log import print0
 from mcore_rl.training import TrainableModel, compute_outputs, train_step
 
 ACTOR_INPUTS = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "advantages",
@@ -52,12 +53,17 @@ class Actor:
     def logprobs(self, batch: dict) -> dict:
         """{'logprobs', 'entropy'} [n, s] of the batch's tokens under the current policy. A
         Mixture-of-Experts policy also gives 'moe_metrics' (identical on every rank) and, under
-        r2, 'routed_experts': the routes its routers took (under r3 they replay the engine's)."""
+        r2, 'routed_experts': the routes its routers took (under r3 they replay the engine's; a
+        batch without them is warned of and shows as moe/routes_replayed 0)."""
         routing = None
         if self.moe_model is not None:
-            replay = self.routing_replay == "r3" and "routed_experts" in batch
-            routing = RoutingPass(self.moe_model, replay, observe=True,
-                                  keep_routes=self.routing_replay == "r2")
+            r3 = self.routing_replay == "r3"
+            if r3 and "routed_experts" not in batch:
+                print0("WARNING: rollout.routing_replay=r3, but the engine gave no routes for "
+                       "this batch: the trainer's routers route it themselves "
+                       "(moe/routes_replayed 0)")
+            routing = RoutingPass(self.moe_model, r3 and "routed_experts" in batch, observe=True,
+                                  keep_routes=self.routing_replay == "r2", expect_routes=r3)
         outputs = compute_outputs(self.trainable.chunks, scoring_inputs(batch, routing),
                                   self.micro_batch_size, "lm", self.vocab_size, self.temperature,
                                   self.max_tokens, routing)

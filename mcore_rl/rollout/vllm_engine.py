@@ -128,7 +128,10 @@ class VllmEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",
             enforce_eager=capture_routes or not (cuda_graphs and torch.cuda.is_available()),
             gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=self._sleep_mode, enable_prefix_caching=False)
+            enable_sleep_mode=self._sleep_mode, enable_prefix_caching=False,
+            # The route capture reads each step's fed tokens from the runner's host copy, which
+            # async scheduling (vLLM's default for external_launcher on GPUs) leaves stale.
+            **({"async_scheduling": False} if capture_routes and model.moe.enabled else {}))
         raise_on_any_rank(problems, EngineError, "vLLM engine failed to start: ")
         if not torch.cuda.is_available():
             cpu_compat.reclaim_cuda_stand_ins()
