@@ -29,6 +29,11 @@ class Toolbox:
     def fail(self, message: str) -> None:
         raise ValueError(message)
 
+    def hold(self, answer: str) -> str:
+        """Keep an episode's answer in this session's memory."""
+        self.answer = {"ground_truth": answer}
+        return "holding"
+
     def spin(self) -> None:
         while True:
             pass

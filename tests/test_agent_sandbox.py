@@ -282,3 +282,22 @@ def _with_descendants(pids) -> set[int]:
         except OSError:
             pass
     return found
+
+
+def test_python_tool_code_sees_no_episode_state_and_no_secrets(sandbox, monkeypatch):
+    """The session holds an episode's answer, the rank a token: the model's code finds neither
+    (it ran in a fork of the session: gc.get_objects() printed the answer). Also outside a
+    sandbox."""
+    from mcore_rl.agents.python_tool import run_python
+
+    opened(sandbox, "episode")
+    search = ("import gc, os\nneedle, mine = 'answer-' + str(4700 + 11), globals()\n"
+              "print(any(needle in repr(o) for o in gc.get_objects()\n"
+              "          if isinstance(o, dict) and o is not mine),\n"
+              "      os.environ.get('WANDB_API_KEY'))")
+    assert call(sandbox, "episode", ("hold", "answer-4711")).value == "holding"
+    assert call(sandbox, "episode", ("python", search, 10.0, 4000)).value == "False None\n"
+    monkeypatch.setenv("WANDB_API_KEY", "token-4711")
+    row = {"ground_truth": "answer-" + "4711"}
+    assert run_python(search, timeout_seconds=10, memory_mb=256) == "False None\n"
+    assert row["ground_truth"] == "answer-4711"  # held while the code ran

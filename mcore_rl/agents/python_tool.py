@@ -1,10 +1,14 @@
 """The built-in `python` tool: run model-written code, give back what it printed.
 
 It is called inside a sandbox session (sandbox/: no network, writes only in the session's
-directory, bounded processes and memory) and runs each piece of code in a process forked for
-that call, so that a hang, a memory blow-up or a crash costs that call only, and nothing the code
-does (globals, imports, monkey-patches, open files) reaches the next call or the session's
-environment. That process closes every descriptor it inherited but its output (the session's
+directory, bounded processes and memory) and runs each piece of code in a fresh interpreter
+(forked, then exec'd: `sandbox.fresh_interpreter`), so that a hang, a memory blow-up or a crash
+costs that call only, and nothing the code does (globals, imports, monkey-patches, open files)
+reaches the next call or the session's environment. Not a fork of the session alone: the
+session's process holds the episode (the environment, the dataset row and its ground truth),
+which a fork would hand to the model's code (`gc.get_objects()`), a reward-hacking path RL
+finds. The code sees an allow-listed environment (`ENVIRONMENT`), none of the rank's variables
+(tokens, credentials). That process closes every descriptor it inherited but its output (the session's
 channel to the rank above all: model code must not speak for the session), sits in a process
 group of its own (killed as a group at the deadline, which takes its children along), dies with
 the session (PDEATHSIG), and has its own RLIMIT_AS and RLIMIT_CPU. Its file descriptors 1 and 2
@@ -22,11 +26,38 @@ import select
 import signal
 import sys
 import time
-import traceback
 
-from .sandbox import describe_status, set_parent_death_signal
+from .sandbox import describe_status, fresh_interpreter, set_parent_death_signal
 
 READ_CHUNK_BYTES = 1 << 16
+ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "TMPDIR")
+"""The only environment variables the code sees (and HOME, which is TMPDIR: the session's
+directory)."""
+
+_RUNNER = r"""
+import sys, traceback
+code, memory_mb = sys.argv[1], sys.argv[2]
+del sys.argv[1:]
+status = 0
+try:
+    exec(compile(code, "<python tool>", "exec"), {"__name__": "__main__"})
+except SystemExit as exit_request:
+    if exit_request.code is None or isinstance(exit_request.code, int):
+        status = exit_request.code or 0
+    else:
+        print(exit_request.code, file=sys.stderr)
+        status = 1
+except MemoryError:
+    print(f"MemoryError: the code ran out of its {memory_mb} MB of memory", file=sys.stderr)
+except BaseException as error:
+    print("".join(traceback.format_exception_only(type(error), error)).rstrip(),
+          file=sys.stderr)
+sys.stdout.flush()
+sys.stderr.flush()
+sys.exit(status)
+"""
+"""The fresh interpreter's program: the code as __main__; the exception's last traceback line
+when it raises."""
 
 
 def run_python(code: str, timeout_seconds: float, memory_mb: int,
@@ -35,6 +66,8 @@ def run_python(code: str, timeout_seconds: float, memory_mb: int,
     `max_output_chars` characters, then a note), with the exception's last traceback line when
     it raised, or "error: timed out after X s" / the signal that ended it. Never raises for the
     code's failures; leaves no process behind."""
+    if "\0" in code:
+        return "error: the code contains a NUL character"
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -69,18 +102,30 @@ def _start(code: str, timeout_seconds: float, memory_mb: int) -> tuple[int, int]
 
 
 def _execute(code: str, output_fd: int, timeout_seconds: float, memory_mb: int) -> None:
-    """The forked process: confine, run the code, exit (never returns)."""
-    exit_code = 1
+    """The forked process: confine, become a fresh interpreter running the code (never
+    returns)."""
     try:
         os.setpgid(0, 0)
         set_parent_death_signal()
         _redirect_output(output_fd)
-        _close_inherited_descriptors()
+        binary, environment, keep = fresh_interpreter(_allowed_environment())
+        _close_inherited_descriptors(keep)
         _limit(resource.RLIMIT_AS, memory_mb << 20)
         _limit(resource.RLIMIT_CPU, math.ceil(timeout_seconds) + 1)
-        exit_code = _run(code, memory_mb)
+        # -u: output reaches the pipe in the order it was written (stdout, then the error)
+        os.execve(binary, [binary, "-u", "-c", _RUNNER, code, str(memory_mb)], environment)
+    except BaseException as error:  # no exec: say why where the caller reads
+        os.write(2, f"error: the code could not be started ({error})\n".encode())
     finally:
-        os._exit(exit_code)
+        os._exit(1)
+
+
+def _allowed_environment() -> dict[str, str]:
+    environment = {name: os.environ[name] for name in ENVIRONMENT if name in os.environ}
+    environment.setdefault("PATH", os.defpath)
+    if "TMPDIR" in environment:
+        environment["HOME"] = environment["TMPDIR"]
+    return environment
 
 
 def _redirect_output(output_fd: int) -> None:
@@ -92,11 +137,10 @@ def _redirect_output(output_fd: int) -> None:
     os.close(output_fd)
 
 
-def _close_inherited_descriptors() -> None:
-    """Close every descriptor above 2 except those the import path goes through
-    (/proc/self/fd/N entries the sandbox puts on sys.path)."""
-    keep = {int(entry.rsplit("/", 1)[1]) for entry in sys.path
-            if entry.startswith("/proc/self/fd/")}
+def _close_inherited_descriptors(keep: set[int]) -> None:
+    """Close every descriptor above 2 but `keep` (which the new image inherits)."""
+    for descriptor in keep:
+        os.set_inheritable(descriptor, True)
     for name in os.listdir("/proc/self/fd"):
         descriptor = int(name)
         if descriptor > 2 and descriptor not in keep:
@@ -111,28 +155,6 @@ def _limit(kind: int, value: int) -> None:
     hard = resource.getrlimit(kind)[1]
     value = value if hard == resource.RLIM_INFINITY else min(value, hard)
     resource.setrlimit(kind, (value, value))
-
-
-def _run(code: str, memory_mb: int) -> int:
-    """Execute `code` as __main__; print the exception's last traceback line when it raises.
-    Returns the exit code."""
-    try:
-        exec(compile(code, "<python tool>", "exec"), {"__name__": "__main__"})
-        return 0
-    except SystemExit as exit_request:
-        if exit_request.code is None or isinstance(exit_request.code, int):
-            return exit_request.code or 0
-        print(exit_request.code, file=sys.stderr)
-        return 1
-    except MemoryError:
-        print(f"MemoryError: the code ran out of its {memory_mb} MB of memory", file=sys.stderr)
-    except BaseException as error:
-        print("".join(traceback.format_exception_only(type(error), error)).rstrip(),
-              file=sys.stderr)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    return 0
 
 
 def _collect(pid: int, read_end: int, timeout_seconds: float,

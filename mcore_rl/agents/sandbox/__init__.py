@@ -23,6 +23,7 @@ limits):
 - kernel.py: prctl, capabilities, user namespaces and Landlock through ctypes;
 - channel.py: the rank's non-blocking end of a session's socket, plain-data unpickling;
 - session.py: a forked session's confinement and request loop;
+- interpreter.py: a fresh interpreter a session can exec (the python tool's);
 - zygote.py: the zygote's confinement, fork loop and reaping;
 - client.py: the rank's side, Sandbox and its Replies.
 
@@ -30,13 +31,15 @@ Nothing here imports torch or mcore_rl.runtime at module level: the zygote impor
 (ZYGOTE_BOOT imports `zygote_main` from here), and every session's address space holds what the
 zygote imported.
 
-Reused by the python tool (python_tool.py): `set_parent_death_signal`, `describe_status`.
+Reused by the python tool (python_tool.py): `set_parent_death_signal`, `describe_status`,
+`fresh_interpreter`.
 """
 
 from .client import Reply, Sandbox
+from .interpreter import fresh_interpreter
 from .kernel import describe_status, set_parent_death_signal
 from .limits import SandboxLimits
 from .zygote import zygote_main
 
-__all__ = ["Reply", "Sandbox", "SandboxLimits", "describe_status", "set_parent_death_signal",
-           "zygote_main"]
+__all__ = ["Reply", "Sandbox", "SandboxLimits", "describe_status", "fresh_interpreter",
+           "set_parent_death_signal", "zygote_main"]

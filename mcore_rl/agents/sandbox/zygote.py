@@ -36,6 +36,7 @@ from ...rewards.types import describe_exception
 from .kernel import (CLONE_NEWNET, NOBODY, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, _check,
                      _libc, drop_capabilities, enter_user_namespace, landlock_abi,
                      set_parent_death_signal)
+from .interpreter import open_interpreter
 from .limits import SandboxLimits
 from .session import _Confinement, _run_session
 
@@ -98,6 +99,7 @@ def _confine_zygote(directory: str, limits: SandboxLimits) -> _Confinement:
     _check_room_for_sessions(limits.memory_mb)
     path_descriptors = {entry: os.open(entry, os.O_PATH | os.O_DIRECTORY)
                         for entry in sys.path if entry and os.path.isdir(entry)}
+    open_interpreter()  # the python tool's fresh interpreters
     user = _become_nobody(directory) if os.getuid() == 0 else _user_name(os.getuid())
     if not os.access(directory, os.W_OK | os.X_OK):
         raise RuntimeError(f"the sandbox directory {directory} is out of reach for {user}: a "
