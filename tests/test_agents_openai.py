@@ -12,6 +12,7 @@ import dataclasses
 import os
 from types import SimpleNamespace
 
+import httpx
 import openai
 import pytest
 from agent_environments import Lookup, editing_agent, failing_agent, lookup_agent
@@ -21,6 +22,7 @@ from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
 from mcore_rl.agents import AgentRunner, ChatFormat, tool_schemas
+from mcore_rl.agents.openai_endpoint import MAX_BODY_BYTES
 from mcore_rl.config import ConfigError, JobConfig
 from mcore_rl.config.agents import MultiTurnConfig
 from mcore_rl.config.rollout import SamplingConfig
@@ -191,7 +193,14 @@ async def probing_agent(row, base_url):
     response = await client.chat.completions.create(model="policy", messages=row["prompt"],
                                                     logprobs=True, max_tokens=3)
     await client.close()
-    PROBED.update(refused=refused, response=response)
+    episode_id = base_url.split("/episodes/")[1].split("/")[0]
+    async with httpx.AsyncClient() as http:  # as another local user would
+        guessed = await http.post(base_url.replace(episode_id, "e1-p0-s0") + "/chat/completions",
+                                  json={"model": "policy", "messages": row["prompt"]})
+        oversized = await http.post(base_url + "/chat/completions",
+                                    content=b" " * (MAX_BODY_BYTES + 1))
+    PROBED.update(refused=refused, response=response, episode_id=episode_id,
+                  guessed=guessed.status_code, oversized=oversized.status_code)
     return 1.0
 
 
@@ -216,6 +225,9 @@ def test_the_endpoint_speaks_openai_and_refuses_what_it_cannot_honour(smollm2):
     assert response.choices[0].message.content == smollm2.decode(sampled)
     assert response.usage.completion_tokens == 3
     assert generation.completions[0].episode["reward"] == 1.0
+    # Another local user can neither guess an episode's URL nor send it an unbounded body.
+    assert len(PROBED["episode_id"].split("-p0-")[0]) >= 22  # 128 random bits
+    assert (PROBED["guessed"], PROBED["oversized"]) == (404, 413)
 
 
 def test_the_agent_is_configured_alone_and_must_be_an_async_function(smollm2):

@@ -21,6 +21,7 @@ import dataclasses
 import inspect
 import logging
 import queue
+import secrets
 import threading
 import time
 
@@ -84,7 +85,8 @@ class AgentRunner:
         rollout.multi_turn.max_episode_tokens bounds them."""
         started = time.perf_counter()
         self._calls += 1
-        episodes = {f"e{self._calls}-p{index}-s{sample}":
+        # Unguessable ids: the endpoint listens on loopback, where any local user can connect.
+        episodes = {f"{secrets.token_urlsafe(16)}-p{index}-s{sample}":
                     AgentEpisode(f"e{self._calls}/p{index}/s{sample}", index, sample)
                     for index in range(len(records)) for sample in range(sampling.n)}
         self.endpoint.episodes = episodes

@@ -11,7 +11,9 @@ contents and tool calls by name and parsed arguments). Only a request that conti
 them (the client rewrote history) is rendered again, and counted.
 
 Each episode has its own URL prefix (/episodes/<id>/v1), so completions group into episodes
-with any client. The server runs in a daemon thread on loopback only; the engine stays with the
+with any client. The id holds 128 random bits: the server listens on loopback, where any local
+user can connect, and must not take turns injected into an episode; a request body is read up
+to `MAX_BODY_BYTES` only. The server runs in a daemon thread on loopback only; the engine stays with the
 rank's main thread (its steps are collectives), so a request only builds its prompt ids here and
 waits for the main thread to sample it (`AgentRunner`).
 """
@@ -37,6 +39,8 @@ from .tool_calls import ToolCallError, load_parser
 
 HOST = "127.0.0.1"
 SERVER_START_SECONDS = 30.0
+MAX_BODY_BYTES = 16 << 20
+"""A larger request is refused (413) before it is read whole."""
 UNSUPPORTED = {
     "n": (lambda value: value not in (None, 1),
           "one choice per request: each completion is one sampled turn of the episode"),
@@ -153,8 +157,11 @@ class ChatEndpoint:
         episode = self.episodes.get(episode_id)
         if episode is None:
             return _error(404, f"no episode {episode_id!r} is running on this rank")
+        raw = await _body(request)
+        if raw is None:
+            return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except ValueError:
             return _error(400, "the request body is not JSON")
         problem = _unsupported(body)
@@ -352,6 +359,19 @@ def _completion(body: dict, turn: Turn, tokenizer) -> dict:
 def _pieces(tokenizer, token_ids: list[int]) -> list[str]:
     """Each token's own text."""
     return [tokenizer.decode([token_id], skip_special_tokens=False) for token_id in token_ids]
+
+
+async def _body(request: Request) -> bytes | None:
+    """The request's body, or None once it passes MAX_BODY_BYTES (read no further)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return None
+    received = bytearray()
+    async for chunk in request.stream():
+        received += chunk
+        if len(received) > MAX_BODY_BYTES:
+            return None
+    return bytes(received)
 
 
 def _error(status: int, message: str) -> JSONResponse:
