@@ -271,12 +271,13 @@ def resume(args, check: Checks) -> dict:
 
 def moe(args, check: Checks) -> dict:
     """Three GRPO steps of the toy Mixture-of-Experts model (configs/grpo_toy_moe.yaml) with
-    routing replay r2: Megatron's MoE layer, the router observation and the replay on the GPU.
-    Experts over every rank through vLLM under --vllm, else one expert group (the Megatron
-    engine generates only at EP1)."""
+    routing replay: Megatron's MoE layer, the router observation and the replay on the GPU.
+    Under --vllm experts over every rank and r3 (the engine's routes: every one of them must
+    reach the trainer, which vLLM's async scheduling on GPUs would silently prevent), else one
+    expert group and r2 (the Megatron engine generates only at EP1, and returns no routes)."""
     overrides = [f"runtime.output_dir={args.workdir}/moe", "trainer.eval_every=0",
                  "trainer.save_every=0", "trainer.plots=false",
-                 "trainer.total_steps=3", "rollout.routing_replay=r2",
+                 "trainer.total_steps=3", f"rollout.routing_replay={'r3' if args.vllm else 'r2'}",
                  f"rollout.engine={'vllm' if args.vllm else 'megatron'}",
                  f"rollout.rollout_tp={_world() if args.vllm else 1}",
                  f"parallel.expert_model_parallel_size={_world() if args.vllm else 1}"]
@@ -293,6 +294,9 @@ def moe(args, check: Checks) -> dict:
                "step_seconds": [round(step["time/step"], 3) for step in history]}
     if args.vllm:  # only vLLM returns the engine's routes to compare with
         figures["router_agreement"] = [step["moe/router_agreement"] for step in history]
+        figures["routes_replayed"] = [step["moe/routes_replayed"] for step in history]
+        check(all(share == 1.0 for share in figures["routes_replayed"]),
+              "r3: the trainer replayed the engine's route of every token the engine fed")
     return figures
 
 

@@ -92,9 +92,18 @@ class BridgeTransport:
         if self._rounds > 2:
             self.store.delete_key(f"agree/{self._rounds - 2}/{self.rank}")
         self.store.set(keys[self.rank], json.dumps(problems))
+        self._wait_for(keys)
+        gathered = {rank: json.loads(self.store.get(key)) for rank, key in enumerate(keys)}
+        if any(gathered.values()):
+            # Every rank raises, and may exit: the store's host (a rank of this group) must not
+            # go before every rank has read, or the others lose the store mid-read.
+            read = [f"{key}/read" for key in keys]
+            self.store.set(read[self.rank], "1")
+            self._wait_for(read)
+        raise_gathered(gathered, error_type, prefix)
+
+    def _wait_for(self, keys: list[str]) -> None:
         if self.failure is None:
             self.store.wait(keys)
         else:
             self.failure.wait_for_keys(self.store, keys)
-        raise_gathered({rank: json.loads(self.store.get(key)) for rank, key in enumerate(keys)},
-                       error_type, prefix)
