@@ -1,7 +1,8 @@
 """The same weights give the same numbers at every layout (fp32, max abs difference <= 1e-5).
 
-For TP1/PP1 (the reference), TP2, PP2, DP2 and, in a world of 4, TP2xPP2, TP4 (KV heads
-replicated) and TP2xDP2: per-token log-probs, entropies and critic values before training, the
+For TP1/PP1 (the reference) and, in a world of 4, TP2xPP2, TP4 (KV heads replicated) and
+TP2xDP2 (which hold TP2, PP2 and DP2 alone; worlds of two for each were dropped for suite time):
+per-token log-probs, entropies and critic values before training, the
 global loss and grad norm of one step, and every updated weight after one Adam step of Megatron
 DDP + distributed optimizer on the same global batch. A Mixture-of-Experts model likewise at
 EP2 and PP2 x EP2.
@@ -74,12 +75,6 @@ def reference(tmp_path_factory):
     result = layout_result(tmp_path_factory, MODEL, 1, 1, 1)
     check_training_moved_weights(result)
     return result
-
-
-@pytest.mark.parametrize("tp, pp, world", [(2, 1, 2), (1, 2, 2), (1, 1, 2)],
-                         ids=["TP2", "PP2", "DP2"])
-def test_world_of_two_matches_reference(tmp_path_factory, reference, tp, pp, world):
-    assert_same(layout_result(tmp_path_factory, MODEL, tp, pp, world), reference)
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 2), (4, 1), (2, 1)], ids=["TP2PP2", "TP4", "TP2DP2"])

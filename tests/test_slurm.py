@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts" / "slurm"
 STEP_LINE = re.compile(r"^step (\d+): reward/mean (\S+) .*actor/entropy (\S+)", re.MULTILINE)
 TOY = ["configs/grpo_toy.yaml", "trainer.eval_every=0", "trainer.plots=false"]
-STEPS = 6  # preempted after step 1: at least 4 steps are left when the signal lands
+STEPS = 4  # preempted after step 1: at least 2 steps are left when the signal lands
 CPU_JOB = ["--gpus-per-node=0"]  # the sbatch scripts ask for 8 GPUs per node by default
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
