@@ -284,6 +284,7 @@ def _stream_and_count_held_routes(engine, prompts, sampling) -> int:
     from mcore_rl.rollout import SampleRequest
 
     seeded = dataclasses.replace(sampling, seed=1)
+    engine.wake()  # the trainer puts it to sleep between generations
     engine.add_requests([SampleRequest(f"stream{index}", list(prompt), seeded, index, 0)
                          for index, prompt in enumerate(prompts[:4])])
     while engine.has_unfinished():
