@@ -10,11 +10,11 @@ sends our answer back as structured tool calls with no content, so the match com
 contents and tool calls by name and parsed arguments). Only a request that continues none of
 them (the client rewrote history) is rendered again, and counted.
 
-Each episode has its own URL prefix (/episodes/<id>/v1), so completions group into episodes
-with any client. The id holds 128 random bits: the server listens on loopback, where any local
-user can connect, and must not take turns injected into an episode; a request body is read up
-to `MAX_BODY_BYTES` only. The server runs in a daemon thread on loopback only; the engine stays with the
-rank's main thread (its steps are collectives), so a request only builds its prompt ids here and
+Each episode has its own URL prefix (/episodes/<id>/v1), so completions group into episodes with any
+client. The id holds 128 random bits: the server listens on loopback, where any local user can
+connect, and must not take turns injected into an episode; a request body is read up to
+`MAX_BODY_BYTES` only. The server runs in a daemon thread on loopback only; the engine stays with
+the rank's main thread (its steps are collectives), so a request only builds its prompt ids here and
 waits for the main thread to sample it (`AgentRunner`).
 """
 

@@ -161,13 +161,13 @@ class RolloutConfig:
     [importance_floor, importance_cap] and weight the rest by their ratio (masked IS)."""
 
     old_logprobs: str = "trainer"
-    """Where the PPO ratio's old log-probs come from. trainer: a forward pass of the actor over
-    the batch before the update (exact PPO). engine: the engine's sampling log-probs (verl's
-    bypass mode), saving that forward pass; only for batches used for one on-policy optimizer
-    step (trainer.ppo_epochs=1, trainer.mini_batches=1, async_rollout=false, max_staleness=0,
-    importance_cap=0) sampled from the whole distribution (sampling.top_p=1, top_k=-1: the
-    engine reports log-probs under what it sampled from), where the two differ by the engine/trainer mismatch alone (a trainer
-    run's rollout/logprob_mismatch metrics say how much)."""
+    """Where the PPO ratio's old log-probs come from. trainer: a forward pass of the actor over the
+    batch before the update (exact PPO). engine: the engine's sampling log-probs (verl's bypass
+    mode), saving that forward pass; only for batches used for one on-policy optimizer step
+    (trainer.ppo_epochs=1, trainer.mini_batches=1, async_rollout=false, max_staleness=0,
+    importance_cap=0) sampled from the whole distribution (sampling.top_p=1, top_k=-1: the engine
+    reports log-probs under what it sampled from), where the two differ by the engine/trainer
+    mismatch alone (a trainer run's rollout/logprob_mismatch metrics say how much)."""
 
     routing_replay: str = "none"
     """Mixture-of-Experts models: which expert routes the trainer's forward passes of a batch

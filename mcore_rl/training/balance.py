@@ -15,14 +15,14 @@ How:
 - `balance_over_data_parallel` plans (`training.balance_plan`), exchanges and returns
   before/after statistics.
 
-Batch layout: a dict of tensors that all have the same number of rows n (dim 0), with a
-right-padded `attention_mask` [n, s] (ones, then zeros; a row's length is its sum). A tensor is
-a *sequence tensor* when it has at least two dimensions and its dim 1 equals the mask's width s
-([n, s] or [n, s, ...]); it is trimmed and re-padded along dim 1, and in the result every
-position past its row's length is zero (`routed_experts`: NO_ROUTE, no route given, which a
-zero would turn into k copies of expert 0). Every other tensor ([n], or [n, k, ...] with k != s) moves
-whole rows and must have the same trailing shape on every rank. Keys and dtypes must agree over
-the group; different ranks may have different widths s.
+Batch layout: a dict of tensors that all have the same number of rows n (dim 0), with a right-padded
+`attention_mask` [n, s] (ones, then zeros; a row's length is its sum). A tensor is a *sequence
+tensor* when it has at least two dimensions and its dim 1 equals the mask's width s ([n, s] or [n,
+s, ...]); it is trimmed and re-padded along dim 1, and in the result every position past its row's
+length is zero (`routed_experts`: NO_ROUTE, no route given, which a zero would turn into k copies of
+expert 0). Every other tensor ([n], or [n, k, ...] with k != s) moves whole rows and must have the
+same trailing shape on every rank. Keys and dtypes must agree over the group; different ranks may
+have different widths s.
 
 Every tensor-parallel / pipeline rank of one DP position holds the same rows and the same
 lengths, so each of them calling this over its own DP group computes the same plan and they stay
