@@ -9,11 +9,12 @@ process holds the episode (the environment, the dataset row and its ground truth
 would hand to the model's code (`gc.get_objects()`), a reward-hacking path RL finds. The code sees
 an allow-listed environment (`ENVIRONMENT`), none of the rank's variables (tokens, credentials).
 That process closes every descriptor it inherited but its output and its interpreter's (the
-session's channel to the rank above all: model code must not speak for the session), sits in a process group of its own (killed
-as a group at the deadline, which takes its children along), dies with the session (PDEATHSIG), and
-has its own RLIMIT_AS and RLIMIT_CPU. Its file descriptors 1 and 2 go into one pipe, so output of C
-code and of programs it starts is captured too; the caller keeps the first max_output_chars
-characters and discards the rest as it reads, so the code never blocks on a full pipe.
+session's channel to the rank above all: model code must not speak for the session), sits in a
+process group of its own (killed as a group at the deadline, which takes its children along), dies
+with the session (PDEATHSIG), and has its own RLIMIT_AS and RLIMIT_CPU. Its file descriptors 1 and
+2 go into one pipe, so output of C code and of programs it starts is captured too; the caller keeps
+the first max_output_chars characters and discards the rest as it reads, so the code never blocks
+on a full pipe.
 """
 
 from __future__ import annotations
