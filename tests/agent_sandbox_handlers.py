@@ -29,6 +29,10 @@ class Toolbox:
     def fail(self, message: str) -> None:
         raise ValueError(message)
 
+    def variable(self, name: str) -> str | None:
+        """This session's value of environment variable `name`."""
+        return os.environ.get(name)
+
     def hold(self, answer: str) -> str:
         """Keep an episode's answer in this session's memory."""
         self.answer = {"ground_truth": answer}

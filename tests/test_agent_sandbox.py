@@ -301,3 +301,17 @@ def test_python_tool_code_sees_no_episode_state_and_no_secrets(sandbox, monkeypa
     row = {"ground_truth": "answer-" + "4711"}
     assert run_python(search, timeout_seconds=10, memory_mb=256) == "False None\n"
     assert row["ground_truth"] == "answer-4711"  # held while the code ran
+
+
+def test_sessions_see_only_the_allowed_environment(monkeypatch):
+    """A rank's credentials do not reach sessions; variables a job allows do."""
+    monkeypatch.setenv("WANDB_API_KEY", "token-4711")
+    monkeypatch.setenv("SIMULATED_USER_KEY", "allowed-4711")
+    sandbox = Sandbox(SandboxLimits(environment=("SIMULATED_USER_KEY",)), name="environ")
+    try:
+        opened(sandbox, "s")
+        seen = [call(sandbox, "s", ("variable", name)).value
+                for name in ("WANDB_API_KEY", "SIMULATED_USER_KEY", "PATH")]
+    finally:
+        sandbox.shutdown()
+    assert seen == [None, "allowed-4711", os.environ["PATH"]]

@@ -54,7 +54,8 @@ class EpisodeRunner:
         sandbox = Sandbox(SandboxLimits(
             timeout_seconds=limits.timeout_seconds, memory_mb=limits.memory_mb,
             cpu_seconds=limits.cpu_seconds, max_processes=limits.max_processes,
-            network=limits.network), name="environments", preload=spec.modules())
+            network=limits.network, environment=tuple(limits.environment)),
+            name="environments", preload=spec.modules())
         runner = cls(config, chat, spec, sandbox)
         runner._check_environment()
         return runner

@@ -36,6 +36,11 @@ class ToolSandboxConfig:
     """Whether tools may use the network (false: a private network namespace, or Landlock's
     TCP rules where namespaces are unavailable)."""
 
+    environment: tuple[str, ...] = ()
+    """Names of the rank's environment variables that environments and tools see (an API key
+    a simulated user needs); besides PATH, LANG, LC_ALL, TZ and OMP_NUM_THREADS they see none
+    (the rank's holds W&B, HF and cloud credentials)."""
+
     def errors(self) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""
         prefix = "rollout.multi_turn.sandbox."

@@ -28,7 +28,7 @@ from typing import Any, Optional
 from ...rewards.types import describe_exception
 from .channel import _Channel, load_plain_data
 from .kernel import describe_status
-from .limits import SandboxLimits
+from .limits import BASIC_ENVIRONMENT, SandboxLimits
 from .zygote import ZYGOTE_BOOT
 
 
@@ -172,7 +172,10 @@ class Sandbox:
         self._processes.zygote = subprocess.Popen(
             [sys.executable, "-c", ZYGOTE_BOOT, pickle.dumps(path).hex(),
              pickle.dumps(setup).hex()],
-            stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()])
+            stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
+            env={name: os.environ[name] for name in (*BASIC_ENVIRONMENT,
+                                                     *self.limits.environment)
+                 if name in os.environ})
         theirs.close()
         self._processes.control = Connection(ours.detach())
         self._mechanisms = self._await_ready()

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+BASIC_ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS")
+"""What every session sees of the rank's environment (HOME and TMPDIR are its directory)."""
+
 
 @dataclass(frozen=True)
 class SandboxLimits:
@@ -33,6 +36,10 @@ class SandboxLimits:
     network: bool = False
     """False: no network (a network namespace of its own; Landlock's TCP rules where user
     namespaces are blocked)."""
+
+    environment: tuple[str, ...] = ()
+    """Variables of the rank's environment the sessions see besides BASIC_ENVIRONMENT; none
+    else (the rank's holds tokens and credentials: W&B, HF, cloud)."""
 
     def __post_init__(self):
         for name in ("timeout_seconds", "memory_mb", "cpu_seconds", "max_file_mb"):
