@@ -95,11 +95,12 @@ class BridgeTransport:
         self._wait_for(keys)
         gathered = {rank: json.loads(self.store.get(key)) for rank, key in enumerate(keys)}
         if any(gathered.values()):
-            # Every rank raises, and may exit: the store's host (a rank of this group) must not
-            # go before every rank has read, or the others lose the store mid-read.
+            # Every rank raises and may exit. The job's store lives in rank 0's process (under
+            # torchrun: in its agent), which must not go before every rank has read from it.
             read = [f"{key}/read" for key in keys]
             self.store.set(read[self.rank], "1")
-            self._wait_for(read)
+            if self.rank == 0:
+                self._wait_for(read)
         raise_gathered(gathered, error_type, prefix)
 
     def _wait_for(self, keys: list[str]) -> None:
