@@ -19,9 +19,9 @@ at TP1 an updated model's log-probs come out wrong.) It replays the engine's rou
 captured from vLLM's routers by the tokens each request fed, the trainer's routers would have
 chosen them too (moe/router_agreement = 1.0 in fp32) and the log-probs still agree, which they
 would not if a route landed on the wrong token; responses streamed through the engine (as
-episodes are) leave no routes behind. It also evaluates 3 validation
-prompts over its two data-parallel ranks with a KL to the reference: shards of 2 and 1 prompts
-must still take the same number of micro-batches (all-to-alls over EP2).
+episodes are) leave no routes behind. It also evaluates 3 validation prompts over its two
+data-parallel ranks with a KL to the reference: shards of 2 and 1 prompts must still take the
+same number of micro-batches (all-to-alls over EP2).
 """
 
 import os
@@ -49,9 +49,8 @@ CASES = {  # name: (world size, overrides)
                                            "rollout.rollout_tp=4"]),
     "tp1pp4_to_tp2": (4, ["model.num_layers=4", "parallel.pipeline_model_parallel_size=4",
                           "rollout.rollout_tp=2"]),
-    MOE_CASE: (2, MOE + ["parallel.expert_model_parallel_size=2",
-                                    "rollout.rollout_tp=2", "rollout.routing_replay=r3"]
-                          + UNEVEN_EVALUATION),
+    MOE_CASE: (2, MOE + ["parallel.expert_model_parallel_size=2", "rollout.rollout_tp=2",
+                         "rollout.routing_replay=r3"] + UNEVEN_EVALUATION),
 }
 
 

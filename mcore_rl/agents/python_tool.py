@@ -27,12 +27,12 @@ import signal
 import sys
 import time
 
-from .sandbox import describe_status, fresh_interpreter, set_parent_death_signal
+from .sandbox import BASIC_ENVIRONMENT, describe_status, fresh_interpreter, set_parent_death_signal
 
 READ_CHUNK_BYTES = 1 << 16
-ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "TMPDIR")
-"""The only environment variables the code sees (and HOME, which is TMPDIR: the session's
-directory)."""
+ENVIRONMENT = (*BASIC_ENVIRONMENT, "TMPDIR")
+"""The only environment variables the code sees: a session's basics (and HOME, which is TMPDIR:
+the session's directory), not what a job allows its environments."""
 
 _RUNNER = r"""
 import sys, traceback

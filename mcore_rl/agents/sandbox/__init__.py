@@ -32,14 +32,14 @@ Nothing here imports torch or mcore_rl.runtime at module level: the zygote impor
 zygote imported.
 
 Reused by the python tool (python_tool.py): `set_parent_death_signal`, `describe_status`,
-`fresh_interpreter`.
+`fresh_interpreter`, `BASIC_ENVIRONMENT`.
 """
 
 from .client import Reply, Sandbox
 from .interpreter import fresh_interpreter
 from .kernel import describe_status, set_parent_death_signal
-from .limits import SandboxLimits
+from .limits import BASIC_ENVIRONMENT, SandboxLimits
 from .zygote import zygote_main
 
-__all__ = ["Reply", "Sandbox", "SandboxLimits", "describe_status", "fresh_interpreter",
-           "set_parent_death_signal", "zygote_main"]
+__all__ = ["BASIC_ENVIRONMENT", "Reply", "Sandbox", "SandboxLimits", "describe_status",
+           "fresh_interpreter", "set_parent_death_signal", "zygote_main"]
