@@ -10,7 +10,7 @@
 #   AGENTS_DIR=/tmp/agents bash scripts/agents_example.sh trainer.total_steps=20
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 DIR=${AGENTS_DIR:-runs/agents}
 PY=${PYTHON:-.venv/bin/python}
 started=$SECONDS

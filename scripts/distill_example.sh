@@ -10,7 +10,7 @@
 #   QUICKSTART_DIR=/tmp/qs bash scripts/distill_example.sh trainer.total_steps=30
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 DIR=${QUICKSTART_DIR:-runs/quickstart}
 PY=.venv/bin/python
 started=$SECONDS

@@ -37,7 +37,6 @@ RESULTS="$OUT/results.jsonl"
 WORKDIR=$(mktemp -d -t gpu_validate_XXXXXX)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 
 if compgen -G ".whl/*.whl" > /dev/null \
     && ! "$PYTHON" -c 'import megatron.core, omegaconf' 2> /dev/null; then

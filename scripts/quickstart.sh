@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 DIR=${QUICKSTART_DIR:-runs/quickstart}
 PY=.venv/bin/python
 started=$SECONDS

@@ -10,7 +10,7 @@
 #   bash scripts/smollm2_recipe.sh --sft-only    # stages 1-2 (bench/trl_grpo.py's smollm2-learn)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 DIR=${SMOLLM2_DIR:-runs/smollm2_recipe}
 PY=${PYTHON:-.venv/bin/python}
 MODEL=runs/models/smollm2-135m-instruct

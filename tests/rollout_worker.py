@@ -169,6 +169,11 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
     from vllm.distributed.parallel_state import get_tp_group
 
     results["vllm_tp_group_size"] = get_tp_group().world_size
+    vllm_config = vllm.llm.llm_engine.vllm_config
+    results["vllm_kv_cache"] = dict(
+        gib=vllm_config.cache_config.kv_cache_memory_bytes / 2 ** 30,
+        concurrency=vllm_config.cache_config.kv_cache_max_concurrency,
+        max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
     results["vllm"] = engine_checks(vllm, actor, sync, prompts)
 
     # New actor weights: after one more sync vLLM must follow them.

@@ -31,7 +31,6 @@ def test_episodes_train_the_sampled_tokens(tmp_path, layout):
     overrides = countdown_job(tmp_path) + [
         f"runtime.output_dir={tmp_path / 'run'}", "trainer.balance_data_parallel=false",
         *LAYOUTS[layout]]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run_world(2, collect_and_update, str(tmp_path / "result.pt"), overrides)
     ranks = torch.load(tmp_path / "result.pt")
     # What the engines sampled: each instance's episodes, seen by every rank of the instance.

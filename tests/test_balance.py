@@ -280,7 +280,6 @@ def test_trainer_balanced_update_matches_unbalanced(tmp_path):
     from mcore_rl.data import write_toy_tokenizer
     from rl_worker import train_steps
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     tokenizer = write_toy_tokenizer(str(tmp_path / "tokenizer"))
     runs = {}
     for balance in ("true", "false"):

@@ -56,7 +56,6 @@ def models(tmp_path_factory):
 def runs(models):
     from distill_worker import distill_step
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     root, tokenizer, student, teacher = models
     results = {}
     for name, (ranks, layout) in LAYOUTS.items():

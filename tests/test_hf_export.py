@@ -17,7 +17,6 @@ def test_exported_actor_matches_megatron_under_transformers(tmp_path):
 
     from rl_worker import train_and_export
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run_world(2, train_and_export, str(tmp_path / "actor.pt"),
               ["parallel.tensor_model_parallel_size=2", "rollout.rollout_tp=2",
                "trainer.total_steps=1", f"runtime.output_dir={tmp_path / 'run'}"])

@@ -42,7 +42,6 @@ def runs(tmp_path_factory):
     from lora_worker import lora_rl_run
     from mcore_rl.data import write_toy_tokenizer
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     root = tmp_path_factory.mktemp("lora_rl")
     base = toy_llama(str(root / "base"))
     tokenizer = write_toy_tokenizer(str(root / "tokenizer"))

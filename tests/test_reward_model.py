@@ -73,7 +73,6 @@ def test_a_reward_models_score_is_a_reward_and_accuracy_stays_the_ground_truth_c
             layer.mlp.down_proj.weight.zero_()
         model.score.weight.fill_(5.0 / config.hidden_size)
     model.save_pretrained(tmp_path / "rm", safe_serialization=True)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     runs = {}
     for name, extra in (("rule", []), ("rm", [f"reward.model_path={tmp_path / 'rm'}"])):
         run_world(1, evaluate_then_step, str(tmp_path / f"{name}.pt"),
@@ -136,7 +135,6 @@ def test_a_run_built_to_hack_its_reward_model_is_warned_of_and_stopped(tmp_path,
     from mcore_rl.data.toy import TOY_VOCAB
 
     save_reward_model_for_a_word(tmp_path / "rm", TOY_VOCAB.index("is"))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     out = tmp_path / "run"
     run_world(1, fit, str(tmp_path / "fit.pt"), [
         f"runtime.output_dir={out}", f"reward.model_path={tmp_path / 'rm'}",

@@ -45,7 +45,6 @@ def run_training(tmp_path, tokenizer_dir, layout, algorithm, steps):
         "actor.micro_batch_size=64", "critic.micro_batch_size=64",
         f"data.tokenizer={tokenizer_dir}", f"runtime.output_dir={tmp_path / 'run'}",
         f"trainer.total_steps={steps}", "trainer.eval_every=0"]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run_world(world, train, str(tmp_path / "result.pt"), overrides)
     return torch.load(tmp_path / "result.pt")
 
@@ -90,7 +89,6 @@ def test_seed_python_loop_learns_a_reward_that_reads_the_prompt(tmp_path, tokeni
     steps = 20
     overrides = ["actor.micro_batch_size=64", f"data.tokenizer={tokenizer_dir}",
                  f"runtime.output_dir={tmp_path / 'run'}", "trainer.eval_every=0"]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     run_world(1, seed_python_loop, str(tmp_path / "rewards.pt"), overrides, steps)
     rewards = torch.load(tmp_path / "rewards.pt")
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
@@ -105,7 +103,6 @@ def test_engine_old_logprobs_train_like_trainer_old_logprobs(tmp_path, tokenizer
     exact path: same samples, same rewards, losses and gradient norms equal to 1e-4."""
     from rl_worker import train_steps
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     histories = {}
     for source in ("trainer", "engine"):
         overrides = [f"rollout.old_logprobs={source}", "actor.micro_batch_size=64",

@@ -44,7 +44,6 @@ def comparable(metrics: dict) -> dict:
 def tokenizer_dir(tmp_path_factory):
     from mcore_rl.data import write_toy_tokenizer
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return write_toy_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
 
 

@@ -27,7 +27,6 @@ def results(request, tmp_path_factory):
     from rollout_worker import run
 
     folder = tmp_path_factory.mktemp("rollout")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     training_tp, tie_embeddings = request.param
     run_world(2, run, str(folder / "results.pt"), str(folder / "engine_config"), training_tp,
               tie_embeddings)
@@ -125,6 +124,15 @@ def test_resharded_weights_change_what_the_engines_generate(results):
         assert rank_results["vllm_updated"]["argmax"]
         assert rank_results["vllm_updated"]["mismatch"]["rollout/logprob_abs_diff_max"] \
             <= TOLERANCE
+
+
+def test_cpu_engine_holds_every_sequence_it_schedules_in_a_small_kv_cache(results):
+    """vLLM's own accounting: every sequence its scheduler may run at once (max_num_seqs) fits
+    in the KV cache at the full context, and the cache is not vLLM's CPU default (40% of the
+    host, zeroed at start)."""
+    for kv_cache in _both_ranks(results, "vllm_kv_cache"):
+        assert kv_cache["concurrency"] >= kv_cache["max_num_seqs"], kv_cache
+        assert kv_cache["gib"] < 0.5, kv_cache
 
 
 def test_plan_that_does_not_fit_the_engine_is_refused_on_every_rank(results):

@@ -59,7 +59,7 @@ def _clean_env(**extra) -> dict:
     an allocation), plus small-machine settings for the ranks."""
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
-    env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHON=sys.executable)
+    env.update(OMP_NUM_THREADS="1", PYTHON=sys.executable)
     env["PATH"] = env.get("PATH", "") + ":/usr/sbin:/sbin"
     env.update(extra)
     return env

@@ -15,8 +15,7 @@ STEP_LINE = re.compile(r"^step (\d+): reward/mean ([0-9.]+)", re.MULTILINE)
 
 
 def launch(*arguments, port):
-    env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="1", MASTER_PORT=str(port),
-               VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="1", MASTER_PORT=str(port))
     return subprocess.run([os.path.join(REPO, "scripts", "torchrun.sh"), "train", "--config",
                            "configs/grpo_toy.yaml", *arguments], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -125,7 +124,7 @@ def start_two_rank_job(tmp_path, port: int, *overrides, **env):
     import time
 
     env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="2", MASTER_PORT=str(port),
-               VLLM_CPU_KVCACHE_SPACE="1", **env)
+               **env)
     log = open(tmp_path / "job.log", "w")
     launcher = subprocess.Popen(
         [os.path.join(REPO, "scripts", "torchrun.sh"), "train", "--config",

@@ -60,7 +60,6 @@ def case(request, tmp_path_factory):
     from rl_worker import weight_sync_steps
 
     folder = tmp_path_factory.mktemp(request.param)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     world, overrides = CASES[request.param]
     overrides = overrides + [
         f"data.tokenizer={write_toy_tokenizer(str(folder / 'tok'))}",

@@ -53,6 +53,7 @@ from mcore_rl.resharding.delivery import hf_named
 from mcore_rl.resharding.layouts import VLLM_EXPERT_SLOT
 from mcore_rl.runtime import cpu_compat
 from mcore_rl.runtime.agreement import raise_on_any_rank
+from mcore_rl.runtime.devices import device_memory_bytes
 from mcore_rl.runtime.progress import progress, progress_enabled
 
 from .engine import (Completion, EngineError, FinishedSample, Generation, RolloutEngine,
@@ -128,6 +129,8 @@ class VllmEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",
             enforce_eager=capture_routes or not (cuda_graphs and torch.cuda.is_available()),
             gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=_cpu_kv_cache_bytes(model, rollout_tp, context_length, dtype,
+                                                      gpu_memory_utilization),
             enable_sleep_mode=self._sleep_mode, enable_prefix_caching=False,
             # The route capture reads each step's fed tokens from the runner's host copy, which
             # async scheduling (vLLM's default for external_launcher on GPUs) leaves stale.
@@ -564,6 +567,31 @@ def _memory_problems(gpu_memory_utilization: float) -> list[str]:
             f"{wanted / 2 ** 30:.1f} GiB of the GPU's {total / 2 ** 30:.1f} GiB, but only "
             f"{free / 2 ** 30:.1f} GiB is free (the engine starts before the training roles: "
             f"another process holds the rest, or lower the setting)"]
+
+
+CPU_RUNNING_SEQUENCES_PER_RANK = 256
+"""vLLM's default cap on running sequences on CPUs (max_num_seqs), per tensor-parallel rank."""
+CPU_KV_BLOCK_TOKENS = 256
+"""The largest KV block vLLM's CPU attention backends use: a sequence takes whole blocks."""
+
+
+def _cpu_kv_cache_bytes(model: ModelConfig, rollout_tp: int, context_length: int,
+                        dtype: torch.dtype, gpu_memory_utilization: float) -> int | None:
+    """The KV cache a CPU engine can fill: every sequence vLLM's scheduler runs at once, each of
+    context_length tokens, within gpu_memory_utilization of this rank's part of the host (the
+    trainer's memory budget's rule). Left to vLLM, every CPU engine takes that share of the
+    whole host and zeroes it at start: 9 GiB and 10 s for the toy model on a 24 GiB machine,
+    for a cache it never fills, and three ranks' engines ask for more than the host has.
+    None (vLLM's own sizing) on GPUs."""
+    if torch.cuda.is_available():
+        return None
+    blocks = -(-context_length // CPU_KV_BLOCK_TOKENS)
+    sequences = CPU_RUNNING_SEQUENCES_PER_RANK * rollout_tp
+    kv_heads_per_rank = -(-model.kv_heads // rollout_tp)
+    bytes_per_token = 2 * model.num_layers * kv_heads_per_rank * model.kv_channels * \
+        dtype.itemsize
+    wanted = sequences * blocks * CPU_KV_BLOCK_TOKENS * bytes_per_token
+    return min(wanted, int(gpu_memory_utilization * device_memory_bytes(torch.device("cpu"))))
 
 
 def _job_name() -> str:

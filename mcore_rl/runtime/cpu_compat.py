@@ -39,6 +39,9 @@ PATCHES = {
     "sizes: host tensors were left as tensors, which all_to_all_single refuses",
     "torch.cuda stand-ins again after vLLM's CPU worker started": "vLLM replaces them with "
     "placeholders whose record_event returns None, on which the MoE token dispatcher waits",
+    "torch._dynamo.config.disable (torch.compile'd functions run as written)": "vLLM's sampler "
+    "ops (batched_count_greater_than for every log-prob): inductor builds them with the C++ "
+    "compiler in every process, about 7 s at each engine's first generate",
 }
 
 _applied = False
@@ -61,6 +64,7 @@ def apply() -> None:
     _patch_torch_cuda()
     _patch_megatron_rng()
     _patch_megatron_moe_splits()
+    _run_compiled_functions_as_written()
     _mode = _CudaToCpuMode()
     _mode.__enter__()
     _applied = True
@@ -146,6 +150,14 @@ def name_vllm_cpu_segments_per_job(job: str) -> None:
 
     make_group_name._vllm_original = original
     shm.make_group_name = staticmethod(make_group_name)
+
+
+def _run_compiled_functions_as_written() -> None:
+    """A torch.compile'd function runs as plain PyTorch (the same operations): on a CPU its
+    compiled form is C++ code built per process, seconds of compiler for microseconds of work."""
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
 
 
 def _patch_torch_cuda() -> None:
