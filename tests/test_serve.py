@@ -72,7 +72,10 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     hf_folder, checkpoint = str(root / "hf"), str(root / "ckpt")
     _write_model(hf_folder)
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    # vLLM's server as a CPU user would start it, without compiling the model (eager) or its
+    # sampler's ops (inductor builds C++ per process: minutes of compiler for microseconds)
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1",
+               TORCHDYNAMO_DISABLE="1")
     subprocess.run([sys.executable, "-m", "mcore_rl", "convert", "hf-to-mcore", "--hf", hf_folder,
                     "--out", checkpoint], check=True, env=env, capture_output=True)
     port = free_port()
@@ -80,7 +83,7 @@ def server(tmp_path_factory):
     log = open(root / "server.log", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "mcore_rl", "serve", checkpoint, "--port", str(port),
-         "--api-key", API_KEY, "--dtype", "float32", "--max-model-len", "64",
+         "--api-key", API_KEY, "--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
          "--max-body-mb", "1"], env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..config import ModelConfig, MoEConfig, RopeScalingConfig
 from ..param_layout import sharding
 from ..runtime.process_guard import helper_processes_guarded
+from .common_state import write_common_state_file
 from .sharded_weights import sharded_state_dict, stored_vocab_rows
 
 METADATA_FILE = "mcore_rl.json"
@@ -125,6 +126,7 @@ def save_weights(path: str, local_shards: dict, model: ModelConfig, coordinates:
         dist_checkpointing.save(state, staging)
     _barrier()
     if _rank() == 0:
+        write_common_state_file(staging)
         if tokenizer_files:
             os.makedirs(os.path.join(staging, "tokenizer"))
             for file in tokenizer_files:

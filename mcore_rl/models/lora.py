@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ..config.lora import LoraConfig
 from ..config.model import ModelConfig
 from ..param_layout import sharding
+from .spec_parts import mlp_submodules
 from .weights import local_parameters
 
 
@@ -166,7 +167,7 @@ def with_adapters(layer_spec, lora: LoraConfig):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     attention = layer_spec.submodules.self_attention.submodules
-    mlp = layer_spec.submodules.mlp.submodules
+    mlp = mlp_submodules(layer_spec)
     holders = {"linear_qkv": (attention, _column_class), "linear_proj": (attention, _row_class),
                "linear_fc1": (mlp, _column_class), "linear_fc2": (mlp, _row_class)}
     for target in lora.megatron_targets():

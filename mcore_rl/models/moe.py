@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.router import TopKRouter
 
+from .spec_parts import mlp_submodules
+
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -40,7 +42,7 @@ def moe_block_spec(config, use_transformer_engine: bool, attention_module=None):
     for layer in block.layer_specs:
         if attention_module is not None:
             layer.submodules.self_attention.submodules.core_attention = attention_module
-        mlp = layer.submodules.mlp.submodules
+        mlp = mlp_submodules(layer)
         if not use_transformer_engine and hasattr(mlp, "router"):
             mlp.router = PlainLinearRouter
     return block

@@ -140,20 +140,29 @@ class MegatronEngine(RolloutEngine):
                 for row, (index, sample) in enumerate(rows)]
 
     def _inference_wrapper(self, batch_size: int, sequence_length: int):
+        """Megatron-Core's GPT inference wrapper over a static KV cache that keeps only the last
+        position's logits. Up to Megatron-Core 0.16 the wrapper also takes an
+        InferenceWrapperConfig (sizes, and -1: never split the batch into pipeline
+        micro-batches); from 0.17 on the module is gone, the wrapper reads the model's config
+        and does not split, and the context's InferenceConfig keeps only the last logits."""
         from megatron.core.inference.contexts import StaticInferenceContext
         from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
             GPTInferenceWrapper)
-        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
-            InferenceWrapperConfig)
 
-        config = InferenceWrapperConfig(
-            hidden_size=self.model.hidden_size, params_dtype=self.params_dtype,
-            inference_batch_times_seqlen_threshold=-1,
-            padded_vocab_size=self.model.padded_vocab_size(1),  # unused: logits come gathered
-            inference_max_requests=batch_size, inference_max_seq_length=sequence_length)
         context = StaticInferenceContext(batch_size, sequence_length)
-        context.materialize_only_last_token_logits = True
-        wrapper = GPTInferenceWrapper(self.module, config, context)
+        try:
+            from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+                InferenceWrapperConfig)
+        except ImportError:
+            wrapper = GPTInferenceWrapper(self.module, context)
+        else:
+            config = InferenceWrapperConfig(
+                hidden_size=self.model.hidden_size, params_dtype=self.params_dtype,
+                inference_batch_times_seqlen_threshold=-1,
+                padded_vocab_size=self.model.padded_vocab_size(1),  # unused: logits gathered
+                inference_max_requests=batch_size, inference_max_seq_length=sequence_length)
+            context.materialize_only_last_token_logits = True
+            wrapper = GPTInferenceWrapper(self.module, config, context)
         wrapper.prep_model_for_inference()
         return wrapper
 

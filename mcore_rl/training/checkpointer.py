@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mcore_rl.checkpoint.common_state import write_common_state_file
 from mcore_rl.models.heads import ScalarHead
 from mcore_rl.runtime.faults import kill_point
 from mcore_rl.runtime.process_guard import helper_processes_guarded
@@ -403,6 +404,8 @@ def save_training_state(root: str, step: int, models: dict[str, TrainableModel],
                        lambda handle: handle.write(config_yaml.encode()))
     _barrier()
     if _rank() == 0:
+        for role in roles:
+            write_common_state_file(os.path.join(staging, role))
         marker = {"format_version": FORMAT_VERSION, "step": step, "roles": roles,
                   "optimizer_state": with_optimizer, "layout": _layout()}
         if _bases(models):
