@@ -202,3 +202,32 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
     if dist.get_rank() == 0:
         torch.save(everyone, out_path)
     shutdown()
+
+
+def pipeline_engine(out_path: str) -> None:
+    """The Megatron engine on a PP2 actor (each rank one stage, the last stage's logits
+    gathered over the pipeline): greedy and sampled responses, scored by the trainer's
+    log-probs over the same pipeline. Rank 0 saves both ranks' findings."""
+    parallel = ParallelConfig(pipeline_model_parallel_size=2)
+    initialize(JobConfig(model=MODEL, parallel=parallel,
+                         batch=BatchConfig(global_batch_size=2, micro_batch_size=1,
+                                           seq_length=CONTEXT),
+                         runtime=RuntimeConfig(collective_timeout_minutes=5)))
+    actor = build_gpt_model(MODEL, parallel, "fp32")
+    load_full_state(actor, reference_state(0), MODEL, parallel)
+    engine = MegatronEngine(actor, MODEL, CONTEXT)
+    found = {}
+    for name, sampling in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        generation = engine.generate(PROMPTS, sampling, PROMPT_CONFIG)
+        batch = generation.response_tensors()
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        trainer = compute_outputs([actor], inputs, batch["input_ids"].shape[0], "lm",
+                                  MODEL.vocab_size)["logprobs"]
+        found[name] = {"mismatch": logprob_mismatch(batch["engine_logprobs"], trainer,
+                                                    batch["response_mask"]),
+                       "tokens": [c.token_ids for c in generation.completions]}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, found)
+    if dist.get_rank() == 0:
+        torch.save(everyone, out_path)
+    shutdown()

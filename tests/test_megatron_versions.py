@@ -30,6 +30,8 @@ TIER = [
     "tests/test_conversion.py::test_experts_split_over_ranks_give_transformers_logits",
     *(f"tests/test_rollout_engines.py::test_greedy_is_the_trainers_argmax_and_logprobs_match"
       f"[tp2-{engine}]" for engine in ("megatron_shared", "megatron_own", "vllm")),
+    "tests/test_rollout_engines.py::"
+    "test_megatron_engine_over_pipeline_stages_samples_what_the_trainer_scores",
 ]
 """Tests whose code paths differ between the releases (their module fixtures run whole)."""
 

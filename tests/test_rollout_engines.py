@@ -154,6 +154,19 @@ def test_engine_that_cannot_start_says_why_on_every_rank(results):
         assert "missing/config.json does not exist" in message and "rank 1:" in message
 
 
+def test_megatron_engine_over_pipeline_stages_samples_what_the_trainer_scores(tmp_path):
+    """PP2: both stages return the same responses, whose log-probs (greedy and sampled) are
+    the trainer's over the same pipeline."""
+    from rollout_worker import pipeline_engine
+
+    run_world(2, pipeline_engine, str(tmp_path / "results.pt"))
+    stages = torch.load(tmp_path / "results.pt")
+    for name in ("greedy", "sampled"):
+        assert stages[0][name]["tokens"] == stages[1][name]["tokens"]
+        assert all(len(tokens) == 12 for tokens in stages[0][name]["tokens"])
+        assert stages[0][name]["mismatch"]["rollout/logprob_abs_diff_max"] <= TOLERANCE
+
+
 def test_engine_config_folder_leaves_stop_tokens_to_the_request(tmp_path):
     """Without a generation_config.json, vLLM derives one from config.json, where transformers
     fills in Llama's default eos_token_id 2, and stops at that token as well (in the toy

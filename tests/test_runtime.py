@@ -135,8 +135,10 @@ def _stuck_collective(result_path):
     from mcore_rl.runtime import initialize
 
     initialize(load_config(None, ["runtime.collective_timeout_minutes=0.05"]))
-    if dist.get_rank() == 1:
-        time.sleep(25)  # alive but never joins the collective
+    if dist.get_rank() == 1:  # alive but never joins the collective, until rank 0 is done
+        deadline = time.monotonic() + 25
+        while not os.path.exists(result_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return
     start = time.perf_counter()
     try:

@@ -18,6 +18,7 @@ sampling generator is seeded identically across the group.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterable, Sequence
 
@@ -85,7 +86,8 @@ class MegatronEngine(RolloutEngine):
         rows = [(index, sample) for index in range(len(requests.prompts))
                 for sample in range(sampling.n)]
         completions = []
-        with progress(total=len(rows), desc="generate", unit="resp", leave=False) as bar:
+        with progress(total=len(rows), desc="generate", unit="resp", leave=False) as bar, \
+                _megatron_inference_mode():
             for start in range(0, len(rows), self.max_batch_size):
                 chunk = rows[start:start + self.max_batch_size]
                 completions += self._generate_batch([requests.prompts[i] for i, _ in chunk],
@@ -226,3 +228,15 @@ def _call_seed(request_seed: int | None, engine_seed: int, dp_rank: int, call: i
     if request_seed is not None:
         return (request_seed * 1_000_003 + dp_rank * 7919) % (2 ** 63)
     return (engine_seed * 1_000_003 + dp_rank * 7919 + call) % (2 ** 63)
+
+
+def _megatron_inference_mode():
+    """From Megatron-Core 0.17 on, a model runs as in inference (a static KV cache's last
+    position's logits only: what `_last_token_logits` gathers over the pipeline) only while the
+    process-wide InferenceMode flag is set, as Megatron's own engines set it; 0.16 reads the
+    inference context alone and has no flag."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:
+        return contextlib.nullcontext()
+    return InferenceMode.active()
