@@ -47,6 +47,18 @@ def reference_state(seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
+def reference_actor(parallel: ParallelConfig):
+    """Start this rank's runtime at `parallel` and build the fp32 actor holding
+    reference_state(0)."""
+    initialize(JobConfig(model=MODEL, parallel=parallel,
+                         batch=BatchConfig(global_batch_size=2, micro_batch_size=1,
+                                           seq_length=CONTEXT),
+                         runtime=RuntimeConfig(collective_timeout_minutes=5)))
+    actor = build_gpt_model(MODEL, parallel, "fp32")
+    load_full_state(actor, reference_state(0), MODEL, parallel)
+    return actor
+
+
 def trainer_scores(module, generation) -> dict:
     """The trainer's view of a generation: its log-probs of the sampled tokens and whether
     every response token is the teacher-forced argmax of the real vocabulary."""
@@ -122,12 +134,7 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
     global MODEL
     MODEL = dataclasses.replace(MODEL, tie_embeddings=tie_embeddings)  # this rank's process only
     parallel = ParallelConfig(tensor_model_parallel_size=training_tp)
-    initialize(JobConfig(model=MODEL, parallel=parallel,
-                         batch=BatchConfig(global_batch_size=2, micro_batch_size=1,
-                                           seq_length=CONTEXT),
-                         runtime=RuntimeConfig(collective_timeout_minutes=5)))
-    actor = build_gpt_model(MODEL, parallel, "fp32")
-    load_full_state(actor, reference_state(0), MODEL, parallel)
+    actor = reference_actor(parallel)
     training = megatron_training_layout(MODEL)
     rank = dist.get_rank()
     prompts = PROMPTS if training_tp == 2 else PROMPTS[2 * rank:2 * rank + 2]
@@ -209,12 +216,7 @@ def pipeline_engine(out_path: str) -> None:
     gathered over the pipeline): greedy and sampled responses, scored by the trainer's
     log-probs over the same pipeline. Rank 0 saves both ranks' findings."""
     parallel = ParallelConfig(pipeline_model_parallel_size=2)
-    initialize(JobConfig(model=MODEL, parallel=parallel,
-                         batch=BatchConfig(global_batch_size=2, micro_batch_size=1,
-                                           seq_length=CONTEXT),
-                         runtime=RuntimeConfig(collective_timeout_minutes=5)))
-    actor = build_gpt_model(MODEL, parallel, "fp32")
-    load_full_state(actor, reference_state(0), MODEL, parallel)
+    actor = reference_actor(parallel)
     engine = MegatronEngine(actor, MODEL, CONTEXT)
     found = {}
     for name, sampling in (("greedy", GREEDY), ("sampled", SAMPLED)):
