@@ -6,11 +6,13 @@ renormalised and plain top-k, a gated shared expert)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
 import torch
 import transformers
+from safetensors.torch import load_file
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              vocab_size=251, max_position_embeddings=128, rms_norm_eps=1e-5)
@@ -123,3 +125,11 @@ def toy_llama(folder: str, hidden_size: int = 128, intermediate_size: int = 256,
     torch.manual_seed(seed)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
+
+
+def hf_state(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder's safetensors files, by name."""
+    state = {}
+    for file in glob.glob(os.path.join(folder, "*.safetensors")):
+        state.update(load_file(file))
+    return state

@@ -7,7 +7,6 @@ every step); with one engine over both ranks (rollout TP2), the first rank runs 
 and the other mirrors its engine calls."""
 
 import importlib.util
-import os
 
 import pytest
 import torch

@@ -275,7 +275,6 @@ def test_trainer_balanced_update_matches_unbalanced(tmp_path):
     """trainer.balance_data_parallel in a DP2 GRPO step on the toy task (response lengths
     vary): rows move and tokens per rank even out, and since losses are global token sums the
     update equals the unbalanced one up to float summation order."""
-    import os
 
     from mcore_rl.data import write_toy_tokenizer
     from rl_worker import train_steps

@@ -10,10 +10,9 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conversion_worker import run_parity
-from hf_models import CASES, hf_logits, reference_batch, save_hf_case
+from hf_models import CASES, hf_logits, hf_state, reference_batch, save_hf_case
 from mcore_rl.checkpoint.weights_io import is_checkpoint
 from mcore_rl.config import InitConfig
 from world import run_world
@@ -28,13 +27,6 @@ def cli(*arguments, check=True):
     if check:
         assert done.returncode == 0, done.stderr[-2000:]
     return done
-
-
-def hf_state(folder):
-    state = {}
-    for file in glob.glob(os.path.join(folder, "*.safetensors")):
-        state.update(load_file(file))
-    return state
 
 
 def _convert_all(jobs, tp=2, pp=2):

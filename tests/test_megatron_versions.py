@@ -10,7 +10,6 @@ first on PYTHONPATH imports it instead (its cp311 wheel runs on this Python). Ch
 - the toy GRPO job through vLLM logs the same numbers under both.
 """
 
-import glob
 import json
 import os
 import subprocess
@@ -18,9 +17,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from hf_models import save_hf_case
+from hf_models import hf_state, save_hf_case
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEWER_RELEASE = "0.19.2"
@@ -74,7 +72,7 @@ def test_a_checkpoint_written_under_one_release_loads_under_the_other(tmp_path, 
     run(writer, "-m", "mcore_rl", "convert", "hf-to-mcore", "--hf", hf_dir, "--out", ckpt,
         "--tp", "2")
     run(reader, "-m", "mcore_rl", "convert", "mcore-to-hf", "--ckpt", ckpt, "--out", back)
-    original, exported = (_hf_state(folder) for folder in (hf_dir, back))
+    original, exported = (hf_state(folder) for folder in (hf_dir, back))
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[name], exported[name]) for name in original)
 
@@ -95,10 +93,3 @@ def test_the_toy_rl_job_logs_the_same_numbers_under_both(tmp_path):
     for before, after in zip(older, newer):
         for key in ("reward/mean", "actor/entropy", "actor/grad_norm", "actor/loss"):
             assert after[key] == pytest.approx(before[key], rel=1e-5, abs=1e-7), key
-
-
-def _hf_state(folder: str) -> dict:
-    state = {}
-    for file in glob.glob(os.path.join(folder, "*.safetensors")):
-        state.update(load_file(file))
-    return state

@@ -57,7 +57,6 @@ def test_a_reward_models_score_is_a_reward_and_accuracy_stays_the_ground_truth_c
     runs, so the reward-model run must report the rule's eval/accuracy and reward/accuracy (read
     off the scores, as before, every answer would be "correct"), its scores as
     eval/rm_score_mean and reward/mean, and no eval/reward_mean."""
-    import os
 
     from rl_worker import evaluate_then_step
 
@@ -128,7 +127,6 @@ def test_a_run_built_to_hack_its_reward_model_is_warned_of_and_stopped(tmp_path,
     set to 1 nat: a random policy that always says "is" is log(16) = 2.8 nats from its
     start). Selected by the copy accuracy, which saying "is" cannot raise, the run keeps its
     start as the best and stops early."""
-    import os
 
     from rl_worker import fit
 

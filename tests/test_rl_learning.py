@@ -10,7 +10,6 @@ catch a broken update without depending on a lucky seed.
 """
 
 import math
-import os
 
 import pytest
 import torch

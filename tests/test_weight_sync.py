@@ -24,7 +24,6 @@ data-parallel ranks with a KL to the reference: shards of 2 and 1 prompts must s
 same number of micro-batches (all-to-alls over EP2).
 """
 
-import os
 
 import pytest
 import torch
