@@ -70,6 +70,10 @@ def preflight(args, check: Checks) -> dict:
         except ImportError as error:
             figures[f"import {module}"] = False
             check(False, f"{module} imports ({error})")
+    if figures["import megatron.core"]:
+        from megatron.core.package_info import __version__ as megatron_core_version
+
+        figures["megatron_core"] = megatron_core_version
     from mcore_rl.models.kernels import fused_rope_available, fused_softmax_available
 
     for module in ("transformer_engine", "apex", "vllm", "flash_attn"):

@@ -12,8 +12,9 @@
 # what each checks; resume continues the run rl saved).
 # Results go to $GPU_VALIDATE_OUT (default gpu_validate_results/): results.jsonl and a log per
 # stage. A machine with only torch and transformers needs megatron-core and omegaconf: put their
-# wheels in .whl/ (scripts/gpu_wheels.sh downloads them where pip works); when those two do not
-# import, the wheels are installed into a private folder first, nothing else is touched.
+# wheels in $GPU_WHEELS (default .whl/; scripts/gpu_wheels.sh downloads them where pip works);
+# when those two do not import, the wheels are installed into a private folder first, nothing
+# else is touched.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,11 +39,12 @@ WORKDIR=$(mktemp -d -t gpu_validate_XXXXXX)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
-if compgen -G ".whl/*.whl" > /dev/null \
+WHEELS=${GPU_WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" > /dev/null \
     && ! "$PYTHON" -c 'import megatron.core, omegaconf' 2> /dev/null; then
   SITE="$WORKDIR/site"
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
-    || { echo "installing the wheels in .whl/ failed" >&2; exit 1; }
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl \
+    || { echo "installing the wheels in $WHEELS/ failed" >&2; exit 1; }
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
