@@ -10,13 +10,19 @@
   workers (POSIX record locks on one file, a turnstile so that an `alone` test is not starved)
   holds for each test's setup, call and teardown, so also for the worlds its module fixtures
   start.
-- The time per test file after every run.
+- The files run longest first (their seconds in the last full run, `tests/file_seconds.json`;
+  a file not listed there counts as the longest): the two workers then end within a file's time
+  of each other, where xdist's own order (most tests first) left one idle for minutes at the end.
+- The time per test file after every run; `--record-file-seconds` writes it to
+  `tests/file_seconds.json` (after a full run of the default tier).
 """
 
 import contextlib
 import fcntl
+import json
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -24,7 +30,25 @@ LOCK_VARIABLE = "MCORE_RL_TEST_LOCK"
 """The lock file's path, made by the controlling pytest process and read by its workers."""
 TURNSTILE, TESTS = 0, 1
 """Byte offsets of the two locks in that file."""
+LOCK_WAIT = "lock wait seconds"
+"""The user property that holds how long a test waited for the lock."""
 _LOCK_PATH = pytest.StashKey[str]()
+FILE_SECONDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_seconds.json")
+"""Seconds per test file in the last full run of the default tier: the order files run in."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-seconds", action="store_true",
+                     help=f"write the time per test file to {FILE_SECONDS}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (a stable sort: tests keep their order within a file). xdist
+    hands out files in this order (`--no-loadscope-reorder` in pytest.ini)."""
+    with open(FILE_SECONDS) as handle:
+        seconds = json.load(handle)
+    unknown = max(seconds.values(), default=0.0) + 1.0
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], unknown))
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +66,7 @@ def pytest_terminal_summary(terminalreporter):
     pytest's own slowest-tests list: docs/testing.md says how to read it."""
     seconds: dict[str, float] = {}
     counts: dict[str, int] = {}
+    waited = 0.0
     for reports in terminalreporter.stats.values():
         for report in reports:
             if getattr(report, "when", None) not in ("setup", "call", "teardown"):
@@ -49,6 +74,8 @@ def pytest_terminal_summary(terminalreporter):
             path = report.nodeid.split("::")[0]
             seconds[path] = seconds.get(path, 0.0) + report.duration
             counts[path] = counts.get(path, 0) + (report.when == "call")
+            if report.when == "setup":
+                waited += dict(report.user_properties).get(LOCK_WAIT, 0.0)
     if not seconds:
         return
     terminalreporter.write_sep("=", "time per test file")
@@ -56,6 +83,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{total:8.1f} s  {counts[path]:4d} tests  {path}")
     terminalreporter.write_line(f"{sum(seconds.values()):8.1f} s  {sum(counts.values()):4d} "
                                 f"tests  in all")
+    terminalreporter.write_line(f"{waited:8.1f} s  waited for the lock (`alone` tests and the "
+                                f"tests they waited for)")
+    if terminalreporter.config.getoption("record_file_seconds"):
+        ordered = sorted(seconds.items(), key=lambda item: -item[1])
+        with open(FILE_SECONDS + ".tmp", "w") as handle:
+            json.dump({path: round(total, 1) for path, total in ordered}, handle, indent=0)
+            handle.write("\n")
+        os.replace(FILE_SECONDS + ".tmp", FILE_SECONDS)
+        terminalreporter.write_line(f"written to {FILE_SECONDS}")
 
 
 def pytest_report_header(config):
@@ -81,17 +117,34 @@ def pytest_unconfigure(config):
         os.environ.pop(LOCK_VARIABLE, None)
 
 
+_held_alone = None
+"""The lock file, held exclusively from one `alone` test to the next when they follow each other
+on this worker: a file of them waits once for the other worker's test, not once per test."""
+
+
+def _alone(item) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Hold the lock, shared or (for `alone`) exclusive, over the test's setup, call and
-    teardown."""
-    alone = item.get_closest_marker("alone") is not None
-    with open(os.environ[LOCK_VARIABLE], "r+b") as lock:
+    teardown; the seconds waited for it are a user property of the test's reports."""
+    global _held_alone
+    alone, lock, waited = _alone(item), _held_alone, 0.0
+    if lock is None:
+        started = time.monotonic()
+        lock = open(os.environ[LOCK_VARIABLE], "r+b")
         fcntl.lockf(lock, fcntl.LOCK_EX, 1, TURNSTILE)
         fcntl.lockf(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, 1, TESTS)
         if not alone:
             fcntl.lockf(lock, fcntl.LOCK_UN, 1, TURNSTILE)
-        try:
-            yield
-        finally:
+        waited = time.monotonic() - started
+    item.user_properties.append((LOCK_WAIT, round(waited, 2)))
+    try:
+        yield
+    finally:
+        _held_alone = lock if alone and _alone(nextitem) else None
+        if _held_alone is None:
             fcntl.lockf(lock, fcntl.LOCK_UN, 2, TURNSTILE)
+            lock.close()
