@@ -53,6 +53,36 @@ class Toolbox:
         except OSError as error:
             return f"refused: {error.strerror}"
 
+    def connect_unix(self, path: str) -> str:
+        try:
+            with socket.socket(socket.AF_UNIX) as client:
+                client.connect(path)
+                client.sendall(b"escaped")
+                return "connected"
+        except OSError as error:
+            return f"refused: {error.strerror}"
+
+    def send_udp(self, port: int) -> str:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+                client.sendto(b"escaped", ("127.0.0.1", port))
+                return "sent"
+        except OSError as error:
+            return f"refused: {error.strerror}"
+
+    def socketpair(self) -> str:
+        first, second = socket.socketpair()
+        with first, second:
+            first.sendall(b"within")
+            return second.recv(16).decode()
+
+    def read(self, path: str) -> str:
+        try:
+            with open(path) as handle:
+                return handle.read()
+        except OSError as error:
+            return f"refused: {error.strerror}"
+
     def write(self, path: str) -> str:
         try:
             with open(path, "w") as handle:

@@ -62,16 +62,59 @@ def returns_numpy(data_source, solution_str, ground_truth, extra_info):
     return {"score": np.float32(0.75), "correct": np.bool_(True)}
 
 
-def marks_then_spins(data_source, solution_str, ground_truth, extra_info):
-    with open(extra_info["marker"], "w") as marker:
-        marker.write(str(os.getpid()))
-    while True:
-        pass
-
-
 def copies_the_prompts_digit(data_source, solution_str, ground_truth, extra_info):
     """The toy task scored from the prompt alone (no ground truth), as a user of
     `collect_data(prompts)` writes it: the fraction of the response's words that are the
     prompt's last word."""
     words, target = solution_str.split(), extra_info["prompt"].split()[-1]
     return sum(word == target for word in words) / len(words) if words else 0.0
+
+
+def tries_to_escape(data_source, solution_str, ground_truth, extra_info):
+    """What a reward function steered by the model's text could try; each detail is 1.0 where
+    it worked: read the rank's secret, connect to a port on this machine, read a file anyone
+    may read (a checkpoint), write outside its own folder."""
+    import socket
+
+    escaped = {"secret": float(extra_info["secret"] in os.environ)}
+    try:
+        with open(extra_info["readable_by_anyone"]) as handle:
+            escaped["read"] = float(bool(handle.read()))
+    except OSError:
+        escaped["read"] = 0.0
+    try:
+        socket.create_connection(("127.0.0.1", extra_info["port"]), timeout=2).close()
+        escaped["network"] = 1.0
+    except OSError:
+        escaped["network"] = 0.0
+    try:
+        with open(extra_info["outside"], "w") as handle:
+            handle.write("escaped")
+        escaped["write"] = 1.0
+    except OSError:
+        escaped["write"] = 0.0
+    return {"score": 0.0, **escaped}
+
+
+class RunsWhereUnpickled:
+    """Unpickling it makes a directory: whoever unpickles it runs code its sender chose."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def forges_its_reply(data_source, solution_str, ground_truth, extra_info):
+    """Sends, on its worker's own connection to the rank, a pickle that makes a directory where
+    it is unpickled, shaped like a reply."""
+    import gc
+    import pickle
+    from multiprocessing.connection import Connection
+
+    forged = pickle.dumps((True, RunsWhereUnpickled(extra_info["marker"]), ""))
+    for connection in [item for item in gc.get_objects() if isinstance(item, Connection)]:
+        if not connection.closed:
+            connection.send_bytes(forged)
+    return 1.0

@@ -1,11 +1,17 @@
-"""A reward module that takes SLOW_IMPORT_SECONDS to import (like one pulling in sympy or a
-sandbox client): importing and preparing must not count against the per-call timeout."""
+"""A reward function that takes SLOW_PREPARE_SECONDS to prepare (as reasoning-gym builds a task's
+scorer): loading and preparing must not count against the per-call timeout."""
 
 import time
 
-SLOW_IMPORT_SECONDS = 1.5
-time.sleep(SLOW_IMPORT_SECONDS)
+SLOW_PREPARE_SECONDS = 1.5
 
 
 def quick(data_source, solution_str, ground_truth, extra_info):
     return 1.0
+
+
+def _prepare(data_source):
+    time.sleep(SLOW_PREPARE_SECONDS)
+
+
+quick.prepare = _prepare

@@ -1,20 +1,24 @@
-"""The tool sandbox (mcore_rl/agents/sandbox/) and the python tool, with real processes: what a
+"""The tool sandbox (mcore_rl/sandbox/) and the python tool, with real processes: what a
 session may do, what the kernel refuses it, and that no process outlives the sandbox or its
 parent. Handlers: tests/agent_sandbox_handlers.py. Every loop is bounded, every socket on
 loopback."""
 
+import contextlib
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
 import pytest
 
-from mcore_rl.agents.sandbox import Reply, Sandbox, SandboxLimits
+from mcore_rl.sandbox import Reply, Sandbox, SandboxLimits
 from mcore_rl.runtime.rank_guard import start_time
 
 TOOLBOX = "agent_sandbox_handlers:Toolbox"
@@ -168,6 +172,63 @@ def test_network_is_denied_inside_but_works_outside(sandbox):
     assert reply.value in ("refused: Network is unreachable", "refused: Permission denied")
 
 
+def test_no_socket_reaches_the_host_neither_unix_nor_udp(sandbox):
+    """A network namespace keeps the host's Unix sockets reachable and Landlock governs TCP
+    only: the seccomp filter fails every new socket, even to a Unix socket anyone may use."""
+    if sandbox.mechanisms()["sockets"] != "seccomp":
+        pytest.skip(f"no seccomp socket filter here: {sandbox.mechanisms()}")
+    folder = tempfile.mkdtemp(prefix="mcore_rl-host-socket-", dir="/tmp")  # anyone may enter
+    os.chmod(folder, 0o755)
+    path = os.path.join(folder, "host.sock")
+    with contextlib.ExitStack() as cleanup, socket.socket(socket.AF_UNIX) as unix, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        cleanup.callback(shutil.rmtree, folder)
+        unix.bind(path)
+        os.chmod(path, 0o777)
+        unix.listen(1)
+        udp.bind(("127.0.0.1", 0))
+        opened(sandbox, "sockets")
+        assert call(sandbox, "sockets", ("connect_unix", path)).value == \
+            "refused: Permission denied"
+        assert call(sandbox, "sockets", ("send_udp", udp.getsockname()[1])).value == \
+            "refused: Permission denied"
+        assert call(sandbox, "sockets", ("socketpair",)).value == "within"
+        unix.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            unix.accept()
+
+
+def test_reads_only_code_the_system_its_own_folder_and_what_is_allowed(sandbox):
+    """Landlock's read rules: a file anyone may read (a checkpoint, a token in a home folder)
+    is refused, as is a neighbour session's file; the session's own folder, the code on the
+    import path and a folder named in `readable` are readable."""
+    if sandbox.mechanisms()["filesystem"] != "landlock":
+        pytest.skip("no Landlock on this kernel: reads are limited by file permissions only")
+    folder = tempfile.mkdtemp(prefix="mcore_rl-host-files-", dir="/tmp")  # anyone may read
+    try:
+        os.chmod(folder, 0o755)
+        secret = os.path.join(folder, "checkpoint.pt")
+        with open(secret, "w") as handle:
+            handle.write("weights")
+        os.chmod(secret, 0o644)
+        opened(sandbox, "reads", "reads-neighbour")
+        assert call(sandbox, "reads", ("read", secret)).value == "refused: Permission denied"
+        neighbour = os.path.join(call(sandbox, "reads-neighbour", ("cwd",)).value, "note")
+        assert call(sandbox, "reads-neighbour", ("write", neighbour)).value == "written"
+        assert call(sandbox, "reads", ("read", neighbour)).value == "refused: Permission denied"
+        assert call(sandbox, "reads-neighbour", ("read", neighbour)).value == "x"
+        handlers = os.path.join(os.path.dirname(__file__), "agent_sandbox_handlers.py")
+        assert "class Toolbox" in call(sandbox, "reads", ("read", handlers)).value
+        allowed = Sandbox(dataclasses.replace(LIMITS, readable=(folder,)), name="test-readable")
+        try:
+            opened(allowed, "allowed")
+            assert call(allowed, "allowed", ("read", secret)).value == "weights"
+        finally:
+            allowed.shutdown()
+    finally:
+        shutil.rmtree(folder)
+
+
 def test_writes_only_beneath_the_sessions_directory(sandbox):
     if sandbox.mechanisms()["filesystem"] != "landlock":
         pytest.skip("no Landlock on this kernel: writes are limited by file permissions only")
@@ -232,7 +293,7 @@ def test_shutdown_leaves_no_process_and_no_directory():
 
 PARENT_SCRIPT = """
 import json, sys, time
-from mcore_rl.agents.sandbox import Sandbox, SandboxLimits
+from mcore_rl.sandbox import Sandbox, SandboxLimits
 sandbox = Sandbox(SandboxLimits(timeout_seconds=30, max_processes=8), name="test-orphans")
 for key in ("a", "b", "c"):
     sandbox.open(key, "agent_sandbox_handlers:Toolbox", 0)

@@ -6,8 +6,11 @@ data sources, dotted paths that do not import)."""
 import json
 import logging
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -35,7 +38,11 @@ TEST_FUNCTIONS = {
     "test/numpy": "reward_functions:returns_numpy",
     "test/half": "reward_functions.constant_half",  # the "package.module.function" form
     "test/slow_import": "reward_slow_import:quick",
+    "test/escape": "reward_functions:tries_to_escape",
+    "test/forge": "reward_functions:forges_its_reply",
 }
+SECRET = "MCORE_RL_TEST_REWARD_SECRET"
+"""Set in the rank's environment (as a W&B or HF token is) before the workers start."""
 
 
 def request(data_source, response, ground_truth=None, extra_info=None, sample_id="s0"):
@@ -45,10 +52,15 @@ def request(data_source, response, ground_truth=None, extra_info=None, sample_id
 
 @pytest.fixture(scope="module")
 def sandbox():
-    """Two long-lived workers shared by the tests below (start-up is paid once)."""
+    """Two long-lived workers shared by the tests below (start-up is paid once), started with
+    a secret in the rank's environment."""
     config = RewardConfig(num_workers=2, timeout_seconds=TIMEOUT, functions=TEST_FUNCTIONS)
-    with RuleRewards(config) as rewards:
-        yield rewards
+    os.environ[SECRET] = "hf_not_for_reward_functions"
+    try:
+        with RuleRewards(config) as rewards:
+            yield rewards
+    finally:
+        del os.environ[SECRET]
 
 
 @pytest.fixture
@@ -265,14 +277,14 @@ def test_numpy_scalars_are_numbers_and_unpicklable_requests_fail_alone(sandbox):
     assert good == RewardResult(1.0, None, {})
 
 
-def test_importing_a_function_does_not_count_against_the_call_timeout(sandbox):
-    from reward_slow_import import SLOW_IMPORT_SECONDS  # noqa: F401 (imported here, not in workers)
-    assert SLOW_IMPORT_SECONDS > TIMEOUT
+def test_preparing_a_function_does_not_count_against_the_call_timeout(sandbox):
+    from reward_slow_import import SLOW_PREPARE_SECONDS
+    assert SLOW_PREPARE_SECONDS > TIMEOUT
     results = sandbox.score([request("test/slow_import", "x"), request("test/half", "x")])
     assert results == [RewardResult(1.0, None, {}), RewardResult(0.5, None, {})]
 
 
-def test_a_worker_slower_to_start_than_startup_timeout_gives_zero():
+def test_a_function_slower_to_prepare_than_startup_timeout_gives_zero():
     config = RewardConfig(num_workers=1, timeout_seconds=TIMEOUT, startup_timeout_seconds=0.3,
                           functions={"test/slow_import": "reward_slow_import:quick"})
     with RuleRewards(config) as rewards:
@@ -283,26 +295,27 @@ def test_a_worker_slower_to_start_than_startup_timeout_gives_zero():
 
 
 KILLED_PARENT = """
-import sys, time
+import sys
 sys.path.insert(0, {tests!r})
 from mcore_rl.config.reward import RewardConfig
 from mcore_rl.rewards import RewardRequest, RuleRewards
 config = RewardConfig(num_workers=1, timeout_seconds=60,
-                      functions={{"spin": "reward_functions:marks_then_spins"}})
-RuleRewards(config).score([RewardRequest("s", "spin", "x", None, {{"marker": {marker!r}}})])
+                      functions={{"spin": "reward_functions:spins_forever"}})
+rewards = RuleRewards(config)
+print(*rewards.worker_pids(), flush=True)
+rewards.score([RewardRequest("s", "spin", "x", None, {{}})])
 """
 
 
-def test_workers_exit_when_their_parent_is_killed_mid_call(tmp_path):
-    marker = tmp_path / "spinning"
-    script = KILLED_PARENT.format(tests=os.path.dirname(__file__), marker=str(marker))
-    parent = subprocess.Popen([sys.executable, "-c", script])
+def test_workers_exit_when_their_parent_is_killed_mid_call():
+    script = KILLED_PARENT.format(tests=os.path.dirname(__file__))
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
+        (worker_pid,) = map(int, parent.stdout.readline().split())
         deadline = time.monotonic() + 30
-        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+        while cpu_seconds(worker_pid) < 0.5 and time.monotonic() < deadline:  # it spins
             assert parent.poll() is None, "the parent exited before its worker spun"
             time.sleep(0.1)
-        worker_pid = int(marker.read_text())
     finally:
         parent.kill()
         parent.wait()
@@ -312,12 +325,50 @@ def test_workers_exit_when_their_parent_is_killed_mid_call(tmp_path):
     assert not pid_is_running(worker_pid)
 
 
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as stat:
+        user, system = stat.read().split(")")[-1].split()[11:13]
+    return (int(user) + int(system)) / os.sysconf("SC_CLK_TCK")
+
+
 def pid_is_running(pid):
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def test_reward_functions_see_no_secret_no_network_and_no_file_outside_their_own(
+        sandbox, tmp_path):
+    folder = tempfile.mkdtemp(prefix="mcore_rl-checkpoints-", dir="/tmp")  # anyone may read
+    os.chmod(folder, 0o755)
+    checkpoint = os.path.join(folder, "model.pt")
+    with open(checkpoint, "w") as handle:
+        handle.write("weights")
+    os.chmod(checkpoint, 0o644)
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            (result,) = sandbox.score([request("test/escape", "x", extra_info={
+                "secret": SECRET, "port": listener.getsockname()[1],
+                "readable_by_anyone": checkpoint, "outside": str(tmp_path / "escaped.txt")})])
+    finally:
+        shutil.rmtree(folder)
+    assert result.error is None
+    assert result.details == {"secret": 0.0, "network": 0.0, "read": 0.0, "write": 0.0}
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_the_rank_decodes_only_plain_data_from_a_worker(sandbox, tmp_path):
+    """A worker's reply is data the rank checks, never an object it unpickles: a forged reply
+    ends that worker, and the pool goes on."""
+    forged, good = sandbox.score([request("test/forge", "x",
+                                          extra_info={"marker": str(tmp_path / "ran")}),
+                                  request("toy/copy", "7", 7)])
+    assert not (tmp_path / "ran").exists()
+    assert forged.score == 0.0 and "is not plain data" in forged.error, forged
+    assert good == RewardResult(1.0, None, {})
+    assert sandbox.live_workers() == 2
 
 
 def test_close_stops_the_workers():

@@ -150,7 +150,7 @@ def end_job(launcher) -> None:
 
 def test_killing_torchrun_ends_every_rank_and_their_children(tmp_path):
     """torchrun gives each rank a session of its own: `kill -9` of torchrun's process group must
-    still end the ranks (runtime.process_guard) and their reward workers (rewards.sandbox)."""
+    still end the ranks (runtime.process_guard) and their reward workers (rewards.worker_pool)."""
     launcher = start_two_rank_job(tmp_path, 29566, "rollout.engine=megatron")
     try:
         job = psutil.Process(launcher.pid).children(recursive=True)

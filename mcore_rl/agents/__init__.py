@@ -3,8 +3,8 @@ sandboxed processes, with token-exact trajectories (see docs/agents.md).
 
     from mcore_rl.agents import Environment
 
-The names are resolved on first use: the sandbox's processes import mcore_rl.agents.sandbox
-and the episode session, and each module imported there (torch above all) would count against
+The names are resolved on first use: the sandbox's processes (mcore_rl.sandbox) import the
+episode session, and each module imported there (torch above all) would count against
 every session's memory limit.
 """
 

@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 
-from .sandbox import BASIC_ENVIRONMENT, describe_status, fresh_interpreter, set_parent_death_signal
+from ..sandbox import BASIC_ENVIRONMENT, describe_status, fresh_interpreter, set_parent_death_signal
 
 READ_CHUNK_BYTES = 1 << 16
 ENVIRONMENT = (*BASIC_ENVIRONMENT, "TMPDIR")

@@ -23,7 +23,7 @@ from mcore_rl.rollout import Completion, Generation, RolloutEngine, SampleReques
 
 from .chat import ChatFormat, TemplateMismatch
 from .episode import Episode
-from .sandbox import Reply, Sandbox, SandboxLimits
+from ..sandbox import Reply, Sandbox, SandboxLimits
 from .session import EpisodeSpec
 
 SESSION = "mcore_rl.agents.session:EpisodeSession"
@@ -54,7 +54,8 @@ class EpisodeRunner:
         sandbox = Sandbox(SandboxLimits(
             timeout_seconds=limits.timeout_seconds, memory_mb=limits.memory_mb,
             cpu_seconds=limits.cpu_seconds, max_processes=limits.max_processes,
-            network=limits.network, environment=tuple(limits.environment)),
+            network=limits.network, environment=tuple(limits.environment),
+            readable=tuple(limits.readable)),
             name="environments", preload=spec.modules())
         runner = cls(config, chat, spec, sandbox)
         runner._check_environment()

@@ -41,6 +41,11 @@ class ToolSandboxConfig:
     a simulated user needs); besides PATH, LANG, LC_ALL, TZ and OMP_NUM_THREADS they see none
     (the rank's holds W&B, HF and cloud credentials)."""
 
+    readable: tuple[str, ...] = ()
+    """Folders and files environments and tools may read besides the system's folders, the
+    Python installation and the code on the import path (a dataset an environment opens);
+    nothing else (home, checkpoints, other episodes' folders) is readable."""
+
     def errors(self) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""
         prefix = "rollout.multi_turn.sandbox."

@@ -76,8 +76,10 @@ class RewardConfig:
     the last token. It must share the policy's tokenizer (same vocabulary)."""
 
     num_workers: int = 4
-    """Worker processes (per rank) that run reward functions, each call with a timeout. 0 scores
-    inline in the calling process, without timeout or isolation (for debugging)."""
+    """Worker processes (per rank) that run reward functions, each call with a timeout, each
+    confined like the agents' tools (mcore_rl/sandbox: no network, writes only to its own
+    folder, none of the rank's secrets). 0 scores inline in the calling process, without
+    timeout or isolation (for debugging)."""
 
     timeout_seconds: float = 10.0
     """Longest one reward call may run; a call past it scores 0 and its worker is replaced."""
@@ -85,6 +87,25 @@ class RewardConfig:
     startup_timeout_seconds: float = 120.0
     """Longest a worker may take to start and import a data source's function before its first
     call (not counted in timeout_seconds); past it the call scores 0."""
+
+    memory_mb: int = 4096
+    """Address-space limit of a worker process (RLIMIT_AS): what the function and the modules
+    it imports may map."""
+
+    network: bool = False
+    """Whether reward functions may use the network (an LLM judge, a code-execution service);
+    false: a private network namespace, or Landlock's TCP rules where namespaces are
+    unavailable."""
+
+    environment: tuple[str, ...] = ()
+    """Names of the rank's environment variables reward functions see (a judge's API key);
+    besides PATH, LANG, LC_ALL, TZ and OMP_NUM_THREADS they see none (the rank's holds W&B, HF
+    and cloud credentials)."""
+
+    readable: tuple[str, ...] = ()
+    """Folders and files reward functions may read besides the system's folders, the Python
+    installation and the code on the import path (a test suite a code reward runs); nothing
+    else (home, checkpoints, the rank's temporary files) is readable."""
 
     functions: dict[str, str] = field(default_factory=dict)
     """data_source -> reward function as a dotted path, "package.module:function" or
@@ -114,6 +135,8 @@ class RewardConfig:
             errors.append(f"reward.num_workers={self.num_workers} must be >= 0 (0: inline)")
         if not self.timeout_seconds > 0:
             errors.append(f"reward.timeout_seconds={self.timeout_seconds} must be positive")
+        if self.memory_mb <= 0:
+            errors.append(f"reward.memory_mb={self.memory_mb} must be positive")
         if not self.startup_timeout_seconds > 0:
             errors.append(f"reward.startup_timeout_seconds={self.startup_timeout_seconds} "
                           "must be positive")

@@ -91,10 +91,17 @@ def reasoning_gym_task_problem(data_source: str) -> Optional[str]:
     return None
 
 
+def split_path(path: str) -> tuple[str, str]:
+    """("package.module", "function") of "package.module:function" or
+    "package.module.function" (either may be empty when the path is malformed)."""
+    module_name, _, attribute_path = path.partition(":") if ":" in path else path.rpartition(".")
+    return module_name, attribute_path
+
+
 def load_function(path: str, role: str) -> RewardFunction:
     """Import "package.module:function" or "package.module.function"; ValueError naming `role`
     (e.g. "data_source 'x'") and the path when it does not import or is not callable."""
-    module_name, _, attribute_path = path.partition(":") if ":" in path else path.rpartition(".")
+    module_name, attribute_path = split_path(path)
     if not module_name or not attribute_path:
         raise ValueError(f"reward function {path!r} for {role}: not a dotted path like "
                          "package.module:function")

@@ -19,7 +19,8 @@ from typing import Iterable, Optional, Sequence
 from mcore_rl.config.reward import RewardConfig
 
 from .registry import FunctionTable, load_function
-from .sandbox import WorkerPool
+from ..sandbox import SandboxLimits
+from .worker_pool import WorkerPool
 from .scoring import Scorer
 from .types import RewardFunction, RewardRequest, RewardResult
 
@@ -49,7 +50,7 @@ class RuleRewards:
                               config.format_pattern)
         self._checked_sources: set[str] = set()
         self._pool = (WorkerPool(self._scorer, config.num_workers, config.timeout_seconds,
-                                 config.startup_timeout_seconds)
+                                 config.startup_timeout_seconds, _worker_limits(config))
                       if config.num_workers > 0 else None)
         self._closed = False
 
@@ -104,6 +105,16 @@ class RuleRewards:
             load_function(path, f"data_source {data_source!r} (reward.functions)")
         if self.config.default_function is not None:
             load_function(self.config.default_function, "reward.default_function")
+
+
+def _worker_limits(config: RewardConfig) -> SandboxLimits:
+    """One worker's confinement: CPU time bounded like wall time (the longer of a load's and a
+    call's)."""
+    return SandboxLimits(
+        timeout_seconds=config.timeout_seconds, memory_mb=config.memory_mb,
+        cpu_seconds=max(config.timeout_seconds, config.startup_timeout_seconds),
+        network=config.network, environment=tuple(config.environment),
+        readable=tuple(config.readable))
 
 
 def _check_picklable(reward_fn: RewardFunction) -> None:

@@ -15,8 +15,9 @@ import numbers
 from typing import Any, Optional
 
 from .formats import compile_format_pattern, format_score, mix_format_reward
-from .registry import FunctionTable, load_function
-from .types import RewardFunction, RewardRequest, RewardResult, describe_exception
+from .registry import BUILTIN_FUNCTIONS, FunctionTable, load_function, split_path
+from ..sandbox.errors import describe_exception
+from .types import RewardFunction, RewardRequest, RewardResult
 
 
 class Scorer:
@@ -32,6 +33,18 @@ class Scorer:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_loaded": {}}
+
+    def user_modules(self) -> tuple[str, ...]:
+        """The modules of the user's functions (reward_fn, reward.functions, the default), which
+        the reward workers' zygote imports once before forking them; the built-ins' (heavy,
+        often unused) load in a worker on first use."""
+        paths = [path for data_source, path in self.table.functions.items()
+                 if BUILTIN_FUNCTIONS.get(data_source) != path]
+        paths += [self.table.default_function] if self.table.default_function else []
+        modules = [split_path(path)[0] for path in paths]
+        if self.reward_fn is not None:
+            modules.append(self.reward_fn.__module__)
+        return tuple(dict.fromkeys(modules))
 
     def function_for(self, data_source: str) -> RewardFunction:
         """The data_source's function, imported and prepared on first use in this process."""

@@ -1,6 +1,7 @@
-"""What goes into a reward call and what comes out. Both are plain picklable values, so they
-cross the pipe to a worker process unchanged, and a result always exists: a failed call is a
-result with score 0 and an error, never an exception in the trainer."""
+"""What goes into a reward call and what comes out. A request goes to a worker pickled; a result
+comes back as plain data, rebuilt and checked by the rank (worker_pool.py). A result always
+exists: a failed call is a result with score 0 and an error, never an exception in the
+trainer."""
 
 from __future__ import annotations
 
@@ -56,9 +57,3 @@ class RewardResult:
     def failed(error: str) -> "RewardResult":
         return RewardResult(score=0.0, error=error, details={})
 
-
-def describe_exception(error: BaseException, limit: int = 500) -> str:
-    """"ExcType: first line of the message", at most `limit` characters (one log line)."""
-    lines = str(error).strip().splitlines()
-    message = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-    return message if len(message) <= limit else message[:limit - 3] + "..."

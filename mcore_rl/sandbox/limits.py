@@ -41,6 +41,11 @@ class SandboxLimits:
     """Variables of the rank's environment the sessions see besides BASIC_ENVIRONMENT; none
     else (the rank's holds tokens and credentials: W&B, HF, cloud)."""
 
+    readable: tuple[str, ...] = ()
+    """Folders and files sessions may read besides the system's folders (/usr, /lib, /etc,
+    /dev, /proc, /sys), the Python installation, the code on the import path and their own
+    directory (Landlock; where it is missing, what the user may read)."""
+
     def __post_init__(self):
         for name in ("timeout_seconds", "memory_mb", "cpu_seconds", "max_file_mb"):
             if not getattr(self, name) > 0:

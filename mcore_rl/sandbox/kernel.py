@@ -1,5 +1,6 @@
-"""The kernel calls that confine the sandbox's processes (Linux, through libc; syscall numbers
-are the same on x86_64 and aarch64): prctl, capabilities, user namespaces, Landlock.
+"""The kernel calls that confine the sandbox's processes (Linux, through libc; Landlock's syscall
+numbers are the same on x86_64 and aarch64): prctl, capabilities, user namespaces, Landlock, and
+a seccomp filter on socket(2).
 
 A module of their own: the zygote and the sessions confine themselves with these calls, and the
 python tool (python_tool.py) reuses two of them (`set_parent_death_signal`, `describe_status`).
@@ -8,7 +9,9 @@ python tool (python_tool.py) reuses two of them (`set_parent_death_signal`, `des
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import platform
 import signal
 
 
@@ -20,6 +23,8 @@ PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
 NOBODY = 65534
 
 SYS_LANDLOCK_CREATE_RULESET = 444
@@ -29,10 +34,31 @@ LANDLOCK_CREATE_RULESET_VERSION = 1
 LANDLOCK_RULE_PATH_BENEATH = 1
 LANDLOCK_WRITE_RIGHTS_ABI1 = sum(1 << bit for bit in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))
 """WRITE_FILE, REMOVE_DIR, REMOVE_FILE and MAKE_CHAR/DIR/REG/SOCK/FIFO/BLOCK/SYM."""
+READ_FILE, READ_DIR = 1 << 2, 1 << 3
+LANDLOCK_READ_RIGHTS = READ_FILE | READ_DIR
 LANDLOCK_ACCESS_FS_REFER = 1 << 13  # ABI 2: links and renames across directories
 LANDLOCK_ACCESS_FS_TRUNCATE = 1 << 14  # ABI 3
 LANDLOCK_ACCESS_NET_TCP = (1 << 0) | (1 << 1)  # ABI 4: BIND_TCP, CONNECT_TCP
 LANDLOCK_SCOPES = (1 << 0) | (1 << 1)  # ABI 6: ABSTRACT_UNIX_SOCKET, SIGNAL
+
+
+SECCOMP_RET_ALLOW = 0x7FFF0000
+SECCOMP_RET_ERRNO = 0x00050000
+SOCKET_SYSCALLS = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
+"""Machine -> (its AUDIT_ARCH, the number of socket(2))."""
+X32_SYSCALL_BIT = 0x40000000
+BPF_LOAD_WORD, BPF_JUMP_IF_EQUAL, BPF_JUMP_IF_AT_LEAST, BPF_RETURN = 0x20, 0x15, 0x35, 0x06
+SECCOMP_DATA_NR, SECCOMP_DATA_ARCH = 0, 4
+"""Offsets in struct seccomp_data."""
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -93,14 +119,18 @@ def landlock_abi() -> int:
     return max(version, 0)
 
 
-def restrict_writes_to(directory: str, abi: int, deny_tcp: bool) -> None:
-    """Add a Landlock layer: file-system writes only beneath `directory`, TCP bind/connect
-    denied (ABI >= 4, when `deny_tcp`), signals and abstract Unix sockets only within the layer
-    (ABI >= 6). Layers stack; none is ever lifted."""
+def restrict_files(directory: str, readable: list[tuple[int, int]], abi: int,
+                   deny_tcp: bool) -> None:
+    """Add a Landlock layer: file-system writes only beneath `directory`; reads only there and
+    as each (descriptor, READ_FILE and/or READ_DIR) of `readable` allows, beneath a folder or
+    on a file;
+    TCP bind/connect denied (ABI >= 4, when `deny_tcp`); signals and abstract Unix sockets only
+    within the layer (ABI >= 6). Layers stack; none is ever lifted."""
     write_rights = LANDLOCK_WRITE_RIGHTS_ABI1
     write_rights |= LANDLOCK_ACCESS_FS_REFER if abi >= 2 else 0
     write_rights |= LANDLOCK_ACCESS_FS_TRUNCATE if abi >= 3 else 0
-    attr = _RulesetAttr(write_rights, LANDLOCK_ACCESS_NET_TCP if deny_tcp and abi >= 4 else 0,
+    rights = write_rights | LANDLOCK_READ_RIGHTS
+    attr = _RulesetAttr(rights, LANDLOCK_ACCESS_NET_TCP if deny_tcp and abi >= 4 else 0,
                         LANDLOCK_SCOPES if abi >= 6 else 0)
     size = 24 if abi >= 6 else 16 if abi >= 4 else 8  # the fields this ABI knows
     ruleset = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr),
@@ -108,9 +138,10 @@ def restrict_writes_to(directory: str, abi: int, deny_tcp: bool) -> None:
     _check(ruleset, "landlock_create_ruleset")
     directory_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY)
     try:
-        rule = _PathBeneath(write_rights, directory_fd)
-        _check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH,
-                             ctypes.byref(rule), 0), "landlock_add_rule")
+        for descriptor, allowed in [(directory_fd, rights), *readable]:
+            rule = _PathBeneath(allowed, descriptor)
+            _check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH,
+                                 ctypes.byref(rule), 0), "landlock_add_rule")
         _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
         _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
     finally:
@@ -126,3 +157,30 @@ def describe_status(status: int) -> str:
     name = signal.Signals(-code).name
     reason = {signal.SIGXCPU: " (CPU time limit)", signal.SIGXFSZ: " (file size limit)"}
     return f"killed by {name}{reason.get(-code, '')}"
+
+
+def can_deny_new_sockets() -> bool:
+    """Whether deny_new_sockets knows this machine's system calls."""
+    return platform.machine() in SOCKET_SYSCALLS
+
+
+def deny_new_sockets() -> None:
+    """A seccomp filter on this process and its children: socket(2) fails with EACCES whatever
+    the family (TCP, UDP, Unix, netlink), and so does every call of another ABI (x32, i386's
+    socketcall). socketpair(2) and sockets open already keep working. Network namespaces
+    leave the host's Unix sockets reachable and Landlock governs TCP only: this closes both."""
+    arch, socket_number = SOCKET_SYSCALLS[platform.machine()]
+    deny = SECCOMP_RET_ERRNO | errno.EACCES
+    program = [(BPF_LOAD_WORD, 0, 0, SECCOMP_DATA_ARCH),
+               (BPF_JUMP_IF_EQUAL, 1, 0, arch),
+               (BPF_RETURN, 0, 0, deny),
+               (BPF_LOAD_WORD, 0, 0, SECCOMP_DATA_NR),
+               (BPF_JUMP_IF_AT_LEAST, 2, 0, X32_SYSCALL_BIT),
+               (BPF_JUMP_IF_EQUAL, 1, 0, socket_number),
+               (BPF_RETURN, 0, 0, SECCOMP_RET_ALLOW),
+               (BPF_RETURN, 0, 0, deny)]
+    instructions = (_SockFilter * len(program))(*(_SockFilter(*step) for step in program))
+    fprog = _SockFprog(len(program), instructions)
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0),
+           "prctl(PR_SET_SECCOMP)")

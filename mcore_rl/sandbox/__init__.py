@@ -1,10 +1,11 @@
-"""Sandboxed sessions for agent environments and tools: one confined process per session.
+"""Sandboxed sessions for what the model's text reaches: one confined process per session.
 
-In multi-turn agentic RL the model's output becomes input to code - tool arguments, Python it
-wrote - and a user's environment runs next to it. That code may hang, allocate or fork without
-bound, write wherever the trainer may, or open connections; none of it may stop training or
-reach the machine. So it runs in processes the kernel confines. Python-level guards (audit hooks)
-are no boundary - ctypes walks around them - and none is used.
+In agentic RL the model's output becomes input to code - tool arguments, Python it wrote - and a
+user's environment runs next to it; a reward function parses it too (rewards/worker_pool.py).
+That code may hang, allocate or fork without bound, read or write wherever the trainer may, or
+open connections; none of it may stop training or reach the machine. So it runs in processes
+the kernel confines. Python-level guards (audit hooks) are no boundary - ctypes walks around
+them - and none is used.
 
 One process per session: an environment is a user object holding an episode's state, so a
 session's requests run where that object lives, one at a time, and a hang or a crash costs only
@@ -18,14 +19,15 @@ included) into the child, and so into every session's address space, which RLIMI
 What holds where a mechanism is missing: `Sandbox.mechanisms()`.
 
 One concern a file, imported one way only (client -> zygote -> session -> kernel, channel,
-limits):
+limits, errors):
 - limits.py: SandboxLimits, what one session may use;
 - kernel.py: prctl, capabilities, user namespaces and Landlock through ctypes;
 - channel.py: the rank's non-blocking end of a session's socket, plain-data unpickling;
 - session.py: a forked session's confinement and request loop;
 - interpreter.py: a fresh interpreter a session can exec (the python tool's);
 - zygote.py: the zygote's confinement, fork loop and reaping;
-- client.py: the rank's side, Sandbox and its Replies.
+- client.py: the rank's side, Sandbox and its Replies;
+- errors.py: an exception in one line, as sessions reply it.
 
 Nothing here imports torch or mcore_rl.runtime at module level: the zygote imports this package
 (ZYGOTE_BOOT imports `zygote_main` from here), and every session's address space holds what the

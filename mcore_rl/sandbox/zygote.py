@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 import shutil
 import signal
 import sys
@@ -32,9 +33,10 @@ import tempfile
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recv_handle
 
-from ...rewards.types import describe_exception
-from .kernel import (CLONE_NEWNET, NOBODY, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, _check,
-                     _libc, drop_capabilities, enter_user_namespace, landlock_abi,
+from .errors import describe_exception
+from .kernel import (CLONE_NEWNET, LANDLOCK_READ_RIGHTS, NOBODY, PR_SET_CHILD_SUBREAPER,
+                     PR_SET_DUMPABLE, READ_DIR, READ_FILE, _check, _libc, can_deny_new_sockets,
+                     drop_capabilities, enter_user_namespace, landlock_abi,
                      set_parent_death_signal)
 from .interpreter import open_interpreter
 from .limits import SandboxLimits
@@ -45,7 +47,7 @@ ORPHAN_CHECK_SECONDS = 1.0
 """How often the zygote checks that the rank lives and kills orphans reparented to it."""
 
 ZYGOTE_BOOT = ("import pickle, sys; sys.path[:] = pickle.loads(bytes.fromhex(sys.argv[1])); "
-               "from mcore_rl.agents.sandbox import zygote_main; "
+               "from mcore_rl.sandbox import zygote_main; "
                "zygote_main(pickle.loads(bytes.fromhex(sys.argv[2])))")
 """The zygote's command line: the rank's import path first (the setup's pickle names SandboxLimits,
 of this package), then the setup."""
@@ -99,6 +101,7 @@ def _confine_zygote(directory: str, limits: SandboxLimits) -> _Confinement:
     _check_room_for_sessions(limits.memory_mb)
     path_descriptors = {entry: os.open(entry, os.O_PATH | os.O_DIRECTORY)
                         for entry in sys.path if entry and os.path.isdir(entry)}
+    readable = _open_readable(limits.readable)
     open_interpreter()  # the python tool's fresh interpreters
     user = _become_nobody(directory) if os.getuid() == 0 else _user_name(os.getuid())
     if not os.access(directory, os.W_OK | os.X_OK):
@@ -109,24 +112,61 @@ def _confine_zygote(directory: str, limits: SandboxLimits) -> _Confinement:
     network, own_user_namespaces = _isolate_network(limits.network)
     abi = landlock_abi()
     deny_tcp = not limits.network and abi >= 4
+    deny_sockets = not limits.network and can_deny_new_sockets()
     if network == "none" and not limits.network:
-        if not deny_tcp:
+        if not (deny_tcp or deny_sockets):
             raise RuntimeError(
-                "the tool sandbox cannot deny network access: user namespaces are unavailable "
-                "(unshare(CLONE_NEWUSER | CLONE_NEWNET) failed) and Landlock's TCP rules need "
-                f"Landlock ABI 4 (this kernel: {abi or 'no Landlock'}); allow network "
+                "the sandbox cannot deny network access: user namespaces are unavailable "
+                "(unshare(CLONE_NEWUSER | CLONE_NEWNET) failed), Landlock's TCP rules need "
+                f"Landlock ABI 4 (this kernel: {abi or 'no Landlock'}) and the seccomp filter "
+                f"does not know this machine ({platform.machine()}); allow network "
                 "(SandboxLimits.network=True) or run where one of them works")
-        network = "landlock"
+        network = "seccomp" if deny_sockets else "landlock"
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
     # no session (same uid) may ptrace the zygote, whose channel reaches the rank
     _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
     set_parent_death_signal(signal.SIGTERM)  # on_parent_death: end the sessions, clean up
     processes = ("none" if user == "root" else
                  "rlimit-nproc" if own_user_namespaces else "rlimit-nproc-shared")
-    mechanisms = {"network": network, "filesystem": "landlock" if abi else "permissions",
+    mechanisms = {"network": network,
+                  "sockets": "seccomp" if deny_sockets else "allowed" if limits.network
+                  else "namespaced",
+                  "filesystem": "landlock" if abi else "permissions",
                   "processes": processes, "user": user,
                   "signals": "landlock-scope" if abi >= 6 else "uid"}
-    return _Confinement(mechanisms, own_user_namespaces, abi, deny_tcp)
+    return _Confinement(mechanisms, own_user_namespaces, abi, deny_tcp, deny_sockets, readable)
+
+
+SYSTEM_READABLE = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/dev", "/proc",
+                   "/sys")
+"""What programs read: libraries, configuration, devices (null, urandom), their own /proc."""
+
+
+def _open_readable(extra: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(descriptor, Landlock read rights) of what sessions may read, opened before the user
+    changes: the system's folders, the Python installation, `extra`, and the code on the import
+    path. A folder on the path outside those (a repository, the working directory) lends its
+    listing, its modules and its packages, not its other files (a run's checkpoints, data)."""
+    roots = [*SYSTEM_READABLE, *{sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                 sys.base_exec_prefix}, *extra]
+    whole = {os.path.realpath(root) for root in roots if os.path.exists(root)}
+    targets = dict.fromkeys(whole, LANDLOCK_READ_RIGHTS)
+    for entry in {os.path.realpath(entry) for entry in sys.path if entry}:
+        if not os.path.isdir(entry) or any(_beneath(entry, root) for root in whole):
+            continue
+        targets.setdefault(entry, READ_DIR)
+        for name in os.listdir(entry):
+            path = os.path.join(entry, name)
+            if os.path.isdir(path) and (name == "__pycache__" or
+                                        os.path.isfile(os.path.join(path, "__init__.py"))):
+                targets[path] = LANDLOCK_READ_RIGHTS
+            elif name.endswith((".py", ".pyc", ".so")):
+                targets[path] = READ_FILE
+    return [(os.open(path, os.O_PATH), rights) for path, rights in targets.items()]
+
+
+def _beneath(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 HEAVY_MODULES = ("torch", "numpy", "vllm", "transformers")
@@ -143,7 +183,7 @@ def _check_room_for_sessions(memory_mb: int) -> None:
         raise RuntimeError(
             f"the zygote already spans {size_kb >> 10} MB of address space, leaving sessions "
             f"too little of their memory_mb={memory_mb} (of {', '.join(HEAVY_MODULES)} it "
-            f"imported: {', '.join(heavy)}); keep mcore_rl/agents/__init__.py light or raise "
+            f"imported: {', '.join(heavy)}); keep what the sessions import light or raise "
             "memory_mb")
 
 

@@ -25,8 +25,8 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler, send_handle
 from typing import Any, Optional
 
-from ...rewards.types import describe_exception
 from .channel import _Channel, load_plain_data
+from .errors import describe_exception
 from .kernel import describe_status
 from .limits import BASIC_ENVIRONMENT, SandboxLimits
 from .zygote import ZYGOTE_BOOT
@@ -77,7 +77,7 @@ class _Session:
     """The session process (known once it has opened)."""
 
     queued: deque = field(default_factory=deque)
-    """Pickled requests not yet sent."""
+    """(pickled request, its timeout in seconds) not yet sent."""
 
     opening: bool = True
     """The open call is running (before its reply)."""
@@ -87,6 +87,9 @@ class _Session:
 
     deadline: float = math.inf
     """time.monotonic() by which the running call must end."""
+
+    timeout: float = math.inf
+    """The running call's timeout in seconds."""
 
     @property
     def busy(self) -> bool:
@@ -158,8 +161,8 @@ class Sandbox:
         # directory, named like a rank's private folder so that the next job removes it if
         # both the rank and the zygote were killed (process_guard.reclaim_stale_files).
         # Imported here: the zygote imports this module, and mcore_rl.runtime imports torch.
-        from ...runtime.process_guard import TEMP_PREFIX, system_temp_dir
-        from ...runtime.rank_guard import start_time
+        from ..runtime.process_guard import TEMP_PREFIX, system_temp_dir
+        from ..runtime.rank_guard import start_time
 
         pid = os.getpid()
         directory = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{pid}-{start_time(pid)}-{self.name}-",
@@ -196,21 +199,26 @@ class Sandbox:
         return detail
 
     def mechanisms(self) -> dict:
-        """Which guarantees hold: {"network": "netns" | "landlock" (TCP only) | "allowed",
-        "filesystem": "landlock" (writes only beneath the session's directory) | "permissions"
-        (whatever the user may write), "processes": "rlimit-nproc" (per session) |
-        "rlimit-nproc-shared" (one count for all sessions) | "none" (root), "user": "nobody" |
-        "root" | the user's name, "signals": "landlock-scope" (no signal, ptrace or abstract
-        Unix socket reaches outside the session) | "uid" (only uids keep sessions from
-        signalling each other, and - when the rank is not root - the rank)}. Starts the zygote
-        if needed."""
+        """Which guarantees hold: {"network": "netns" | "seccomp" (no new socket) | "landlock"
+        (TCP only) | "allowed", "sockets": "seccomp" (socket(2) fails, UDP and the host's Unix
+        sockets included) | "namespaced" (only a network namespace or Landlock) | "allowed",
+        "filesystem": "landlock" (writes only beneath the session's directory, reads only
+        there, in the system's folders, the Python installation, the code on the import path
+        and `readable`) | "permissions" (whatever the user may read and write), "processes":
+        "rlimit-nproc" (per session) | "rlimit-nproc-shared" (one count for all sessions) |
+        "none" (root), "user": "nobody" | "root" | the user's name, "signals":
+        "landlock-scope" (no signal, ptrace or abstract Unix socket reaches outside the
+        session) | "uid" (only uids keep sessions from signalling each other, and - when the
+        rank is not root - the rank)}. Starts the zygote if needed."""
         self.start()
         return dict(self._mechanisms)
 
-    def open(self, key: str, factory: str, argument: Any) -> None:
+    def open(self, key: str, factory: str, argument: Any,
+             timeout_seconds: Optional[float] = None) -> None:
         """Start session `key`: in a new confined process, `handler = resolve(factory)(argument)`
         ("package.module:attribute", importable there). Non-blocking: its Reply (value None)
-        comes from poll(); a factory that raises gives ok=False, ended=True."""
+        comes from poll(); a factory that raises gives ok=False, ended=True. timeout_seconds:
+        this call's, instead of the limits' (a factory that imports what it serves)."""
         if key in self._sessions:
             raise ValueError(f"session {key!r} is already open in the {self.name} sandbox")
         self.start()
@@ -225,13 +233,14 @@ class Sandbox:
         self._processes.control.send(("open", session.serial))
         send_handle(self._processes.control, theirs.fileno(), self._processes.zygote.pid)
         theirs.close()
-        self._transmit(session, message)
+        self._transmit(session, message, timeout_seconds)
 
-    def send(self, key: str, request: Any) -> None:
+    def send(self, key: str, request: Any, timeout_seconds: Optional[float] = None) -> None:
         """Queue one request for session `key` (non-blocking; a session's requests run one at a
         time, in order). Its Reply carries handler(request); an exception from the handler is
-        ok=False and the session goes on; past timeout_seconds the session is killed (ended).
-        To an unknown or ended session: Reply(ok=False, error="session ended", ended=True)."""
+        ok=False and the session goes on; past its timeout (timeout_seconds, else the limits')
+        the session is killed (ended). To an unknown or ended session: Reply(ok=False,
+        error="session ended", ended=True)."""
         session = self._sessions.get(key)
         if session is None:
             self._ready.append(Reply(key, False, None, "session ended", 0.0, True))
@@ -239,9 +248,9 @@ class Sandbox:
         message = self._pickle(key, request)
         if message is None:
             return
-        session.queued.append(message)
+        session.queued.append((message, timeout_seconds))
         if not session.busy:
-            self._transmit(session, session.queued.popleft())
+            self._transmit(session, *session.queued.popleft())
 
     def poll(self, timeout: float = 0.0) -> list[Reply]:
         """The replies that arrived, waiting up to `timeout` seconds for one when none is ready;
@@ -290,9 +299,11 @@ class Sandbox:
                                      f"session: {describe_exception(error)}", 0.0, ends_session))
             return None
 
-    def _transmit(self, session: _Session, message: bytes) -> None:
+    def _transmit(self, session: _Session, message: bytes,
+                  timeout_seconds: Optional[float]) -> None:
         session.sent_at = time.monotonic()
-        session.deadline = session.sent_at + self.limits.timeout_seconds
+        session.timeout = timeout_seconds or self.limits.timeout_seconds
+        session.deadline = session.sent_at + session.timeout
         if not session.channel.send(message):
             self._ready.append(Reply(session.key, False, None, "session stopped reading its "
                                      "requests", time.monotonic() - session.sent_at, True))
@@ -355,7 +366,7 @@ class Sandbox:
         if ended:
             self._end(session)
         elif session.queued:
-            self._transmit(session, session.queued.popleft())
+            self._transmit(session, *session.queued.popleft())
 
     def _died(self, session: _Session, seconds: float) -> None:
         """The session's channel closed: its process is gone."""
@@ -379,7 +390,7 @@ class Sandbox:
         for session in list(self._sessions.values()):
             if now >= session.deadline:
                 self._ready.append(Reply(session.key, False, None,
-                                         f"timeout after {self.limits.timeout_seconds} s",
+                                         f"timeout after {session.timeout} s",
                                          now - session.sent_at, True))
                 self._end(session)
 

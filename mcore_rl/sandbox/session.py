@@ -8,9 +8,11 @@ Each session, after its fork: a process group of its own (a timeout kills the gr
 namespace of its own (RLIMIT_NPROC counts processes per user namespace, so each session's limit
 counts its own processes only, though all run as the same uid), no capabilities, then Landlock
 (after the user namespace, whose uid_map it could not write otherwise): writes only beneath its
-own subdirectory (reads: what the uid may read), TCP bind/connect denied when network is off,
-no signal, ptrace or abstract Unix socket reaching outside the session; rlimits (address space,
-file size, processes, CPU time per call, no core files); PDEATHSIG.
+own subdirectory, reads only there and in the system's folders, the Python installation and the
+code on the import path (zygote._open_readable), TCP bind/connect denied when network is off,
+no signal, ptrace or abstract Unix socket reaching outside the session; with network off, a
+seccomp filter that fails every socket(2) (UDP and the host's Unix sockets too); rlimits
+(address space, file size, processes, CPU time per call, no core files); PDEATHSIG.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from ...rewards.types import describe_exception
 from .channel import MAX_MESSAGE_BYTES, load_plain_data
-from .kernel import (PR_SET_DUMPABLE, _check, _libc, drop_capabilities, enter_user_namespace,
-                     restrict_writes_to, set_parent_death_signal)
+from .errors import describe_exception
+from .kernel import (PR_SET_DUMPABLE, _check, _libc, deny_new_sockets, drop_capabilities,
+                     enter_user_namespace, restrict_files, set_parent_death_signal)
 from .limits import SandboxLimits
 
 
@@ -44,6 +46,12 @@ class _Confinement:
     """Landlock ABI (0: none)."""
 
     deny_tcp: bool
+
+    deny_sockets: bool
+    """Network off and the seccomp filter knows this machine: no session creates a socket."""
+
+    readable: list
+    """(descriptor, Landlock read rights) of what a session may read (zygote._open_readable)."""
 
 
 def resolve(factory: str) -> Any:
@@ -83,7 +91,10 @@ def _confine_session(directory: str, limits: SandboxLimits, confinement: _Confin
         enter_user_namespace()
         drop_capabilities()
     if confinement.landlock:
-        restrict_writes_to(directory, confinement.landlock, confinement.deny_tcp)
+        restrict_files(directory, confinement.readable, confinement.landlock,
+                       confinement.deny_tcp)
+    if confinement.deny_sockets:
+        deny_new_sockets()
     _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
     os.chdir(directory)
     os.environ.update(HOME=directory, TMPDIR=directory)
