@@ -11,8 +11,9 @@
   holds for each test's setup, call and teardown, so also for the worlds its module fixtures
   start.
 - The files run longest first (their seconds in the last full run, `tests/file_seconds.json`;
-  a file not listed there counts as the longest): the two workers then end within a file's time
-  of each other, where xdist's own order (most tests first) left one idle for minutes at the end.
+  a file not listed there counts as the longest), those with `alone` tests last: the two
+  workers then end within a file's time of each other, where xdist's own order (most tests
+  first) left one idle for minutes at the end.
 - The time per test file after every run; `--record-file-seconds` writes it to
   `tests/file_seconds.json` (after a full run of the default tier).
 """
@@ -43,12 +44,16 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Longest files first (a stable sort: tests keep their order within a file). xdist
-    hands out files in this order (`--no-loadscope-reorder` in pytest.ini)."""
+    """Longest files first, files with `alone` tests last (a stable sort: tests keep their
+    order within a file); xdist hands out files in this order (`--no-loadscope-reorder` in
+    pytest.ini). An `alone` test waits for the other worker's test to end: at the end of the
+    run those are short ones."""
     with open(FILE_SECONDS) as handle:
         seconds = json.load(handle)
     unknown = max(seconds.values(), default=0.0) + 1.0
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], unknown))
+    alone_files = {item.nodeid.split("::")[0] for item in items if _alone(item)}
+    items.sort(key=lambda item: (item.nodeid.split("::")[0] in alone_files,
+                                 -seconds.get(item.nodeid.split("::")[0], unknown)))
 
 
 @pytest.fixture(scope="session")

@@ -133,3 +133,19 @@ def hf_state(folder: str) -> dict[str, torch.Tensor]:
     for file in glob.glob(os.path.join(folder, "*.safetensors")):
         state.update(load_file(file))
     return state
+
+
+def assert_same_hf_folder(original_dir: str, exported_dir: str, hf_model) -> None:
+    """The export holds the same tensors bit for bit and the same tokenizer files, and
+    transformers loads it into a model with the original's logits."""
+    original, exported = hf_state(original_dir), hf_state(exported_dir)
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert torch.equal(tensor, exported[name]), name
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(original_dir, name)) as original_file, \
+                open(os.path.join(exported_dir, name)) as exported_file:
+            assert original_file.read() == exported_file.read(), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported_dir).eval()
+    ids, mask = reference_batch()
+    assert torch.equal(hf_logits(reloaded, ids, mask), hf_logits(hf_model, ids, mask))

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conversion_worker import run_parity
-from hf_models import CASES, hf_logits, hf_state, reference_batch, save_hf_case
+from hf_models import (CASES, assert_same_hf_folder, hf_logits, hf_state, reference_batch,
+                       save_hf_case)
 from mcore_rl.checkpoint.weights_io import is_checkpoint
 from mcore_rl.config import InitConfig
 from world import run_world
@@ -116,32 +117,9 @@ def test_training_can_start_straight_from_hf_folder(converted, parity, case):
         assert (got[valid] - want[valid]).abs().max().item() < 1e-4, layout
 
 
-def assert_same_hf_folder(original_dir, exported_dir, hf_model):
-    original, exported = hf_state(original_dir), hf_state(exported_dir)
-    assert sorted(original) == sorted(exported)
-    for name, tensor in original.items():
-        assert torch.equal(tensor, exported[name]), name
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        with open(os.path.join(original_dir, name)) as a, open(os.path.join(exported_dir, name)) as b:
-            assert a.read() == b.read()
-    import transformers
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported_dir).eval()
-    ids, mask = reference_batch()
-    assert torch.equal(hf_logits(reloaded, ids, mask), hf_logits(hf_model, ids, mask))
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_round_trip_is_bit_identical(converted, case):
     hf_dir, _, hf_model, back = converted[case]
-    assert_same_hf_folder(hf_dir, back, hf_model)
-
-
-def test_command_line_round_trip(converted, tmp_path):
-    hf_dir, _, hf_model, _ = converted["qwen3"]
-    ckpt, back = str(tmp_path / "mcore"), str(tmp_path / "hf")
-    cli("convert", "hf-to-mcore", "--hf", hf_dir, "--out", ckpt, "--tp", "2")
-    assert is_checkpoint(ckpt) and os.path.isfile(os.path.join(ckpt, "tokenizer", "tokenizer.json"))
-    cli("convert", "mcore-to-hf", "--ckpt", ckpt, "--out", back)
     assert_same_hf_folder(hf_dir, back, hf_model)
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers
 
-from test_conversion import _convert_all, assert_same_hf_folder
+from hf_models import assert_same_hf_folder
+from test_conversion import _convert_all
 from real_model_worker import run_real_model
 from world import run_world
 
