@@ -111,8 +111,10 @@ def performance(args, check: Checks) -> dict:
     from mcore_rl.smoke import next_token_loss, random_batch
     from mcore_rl.training import train_step
 
-    sequence = 128 if args.tiny else 2048
-    config = _job(args, TINY_MODEL if args.tiny else PERF_MODEL, sequence, global_batch=8,
+    sequence = args.sequence or (128 if args.tiny else 2048)
+    model = TINY_MODEL if args.tiny else PERF_MODEL
+    model = dict(model, max_position_embeddings=max(sequence, model["max_position_embeddings"]))
+    config = _job(args, model, sequence, global_batch=8,
                   micro_batch=1, distributed_optimizer=True)
     trainable = _trainable(config)
     timings = []
@@ -537,6 +539,8 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="allow running without CUDA")
     parser.add_argument("--tiny", action="store_true", help="tiny models (CI on CPU)")
     parser.add_argument("--vllm", action="store_true", help="the RL stage generates with vLLM")
+    parser.add_argument("--sequence", type=int, default=None,
+                        help="the performance stage's sequence length (default 2048; --tiny 128)")
     args = parser.parse_args()
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="gpu_validate_")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

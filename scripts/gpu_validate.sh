@@ -6,6 +6,7 @@
 #   scripts/gpu_validate.sh --gpus 2            # every stage under torchrun with 2 ranks (TP2;
 #                                               # the RL stage generates with vLLM if it imports)
 #   scripts/gpu_validate.sh --stages parity,rl  # some stages
+#   scripts/gpu_validate.sh --stages performance --sequence 8192  # the throughput at 8k
 #   scripts/gpu_validate.sh --cpu --tiny        # on a CPU machine, tiny models (CI runs this)
 #
 # Stages: preflight smoke performance offload parity rl resume moe lora distill (docs/gpu.md says
@@ -26,7 +27,8 @@ while [ $# -gt 0 ]; do
     --gpus) GPUS=$2; shift 2 ;;
     --stages) STAGES=$2; shift 2 ;;
     --cpu|--tiny) FLAGS+=("$1"); shift ;;
-    *) sed -n '2,15p' "$0" >&2; exit 2 ;;
+    --sequence) FLAGS+=(--sequence "$2"); shift 2 ;;
+    *) sed -n '2,18p' "$0" >&2; exit 2 ;;
   esac
 done
 

@@ -1,14 +1,18 @@
 """Vocab-parallel log-probs and entropy equal log_softmax on the gathered logits, values and
-gradients, at TP 1, 2 and 4 with a vocabulary padded for TP."""
+gradients, at TP 1, 2 and 4 with a vocabulary padded for TP, over the whole batch in one chunk
+and in chunks of positions that do not divide it (the backward recomputes each chunk)."""
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mcore_rl.models.logprobs import vocab_parallel_logprobs_and_entropy
 from world import run_world
 
 VOCAB, PADDED = 250, 256
+CHUNKS = (1024, 4)
+"""Positions per chunk: all 21 at once, and chunks of 4 (the last one of 1)."""
 
 
 def reference(logits, targets):
@@ -41,20 +45,27 @@ def _check_tp(world_size):
     rank = dist.get_rank()
     logits, targets, weights = inputs()
     local = logits.chunk(world_size, dim=-1)[rank]
-    logp, entropy, grad = loss_and_grad(
-        lambda x, t: vocab_parallel_logprobs_and_entropy(x, t, VOCAB, dist.group.WORLD),
-        local, targets, weights)
     want_logp, want_entropy, want_grad = loss_and_grad(reference, logits, targets, weights)
-    assert (logp - want_logp).abs().max() < 1e-5
-    assert (entropy - want_entropy).abs().max() < 1e-5
-    assert (grad - want_grad.chunk(world_size, dim=-1)[rank]).abs().max() < 1e-5
+    for chunk_tokens in CHUNKS:
+        logp, entropy, grad = loss_and_grad(
+            lambda x, t: vocab_parallel_logprobs_and_entropy(
+                x, t, VOCAB, dist.group.WORLD, chunk_tokens=chunk_tokens),
+            local, targets, weights)
+        assert (logp - want_logp).abs().max() < 1e-5
+        assert (entropy - want_entropy).abs().max() < 1e-5
+        assert (grad - want_grad.chunk(world_size, dim=-1)[rank]).abs().max() < 1e-5
+    if world_size == 2:  # the finite-gradient check: one wait per step, not one per parameter
+        assert _finite_check_synchronisations(parameters=50) == (True, 1, False, 1)
 
 
-def test_single_rank_matches_log_softmax():
+@pytest.mark.parametrize("chunk_tokens", CHUNKS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_single_rank_matches_log_softmax(chunk_tokens, temperature):
     logits, targets, weights = inputs()
-    got = loss_and_grad(lambda x, t: vocab_parallel_logprobs_and_entropy(x, t, VOCAB),
-                        logits, targets, weights)
-    want = loss_and_grad(reference, logits, targets, weights)
+    got = loss_and_grad(lambda x, t: vocab_parallel_logprobs_and_entropy(
+        x, t, VOCAB, temperature=temperature, chunk_tokens=chunk_tokens),
+        logits, targets, weights)
+    want = loss_and_grad(lambda x, t: reference(x / temperature, t), logits, targets, weights)
     for a, b in zip(got, want):
         assert (a - b).abs().max() < 1e-5
     assert got[2][..., VOCAB:].abs().max() == 0, "padding columns received gradient"
@@ -62,4 +73,42 @@ def test_single_rank_matches_log_softmax():
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel_matches_log_softmax(world_size):
+    """Also, at TP2 (the ranks all-reduce its verdict): the optimizer step's finite-gradient
+    check waits for the device once, not once per parameter (thousands of stalls per step for
+    an MoE model)."""
     run_world(world_size, _check_tp, world_size)
+
+
+class HostSynchronisations(TorchDispatchMode):
+    """Counts what stalls a GPU's stream: a tensor's value read on the host (`.item()`,
+    `bool()`, `int()` of a tensor all dispatch to aten._local_scalar_dense)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_log_probs_and_their_gradient_never_wait_for_the_device():
+    logits, targets, weights = inputs()
+    with HostSynchronisations() as synchronisations:
+        loss_and_grad(lambda x, t: vocab_parallel_logprobs_and_entropy(
+            x, t, VOCAB, chunk_tokens=4), logits, targets, weights)
+    assert synchronisations.count == 0
+
+
+def _finite_check_synchronisations(parameters: int) -> tuple[bool, int, bool, int]:
+    from mcore_rl.training.forward_backward import _gradients_finite
+
+    chunk = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(3)) for _ in range(parameters)])
+    for parameter in chunk:
+        parameter.main_grad = torch.ones(3)
+    with HostSynchronisations() as finite_pass:
+        finite = _gradients_finite([chunk])
+    chunk[-1].main_grad[1] = float("nan")
+    with HostSynchronisations() as nan_pass:
+        nan_finite = _gradients_finite([chunk])
+    return finite, finite_pass.count, nan_finite, nan_pass.count

@@ -276,14 +276,14 @@ def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_
 
 def _gradients_finite(chunks: list) -> bool:
     """True when every rank's reduced gradients are finite (checked before the optimizer step,
-    since Megatron only checks for inf/nan when a loss scaler is in use)."""
+    since Megatron only checks for inf/nan when a loss scaler is in use). One reduction per
+    gradient on its device, one all-reduce, one host synchronisation per step."""
+    grads = [param.main_grad for chunk in chunks for param in chunk.parameters()
+             if getattr(param, "main_grad", None) is not None]
     bad = torch.zeros(1, device=collective_device())
-    for chunk in chunks:
-        for param in chunk.parameters():
-            grad = getattr(param, "main_grad", None)
-            if grad is not None and not bool(torch.isfinite(grad).all()):
-                bad.fill_(1)
-                break
+    if grads:
+        finite = torch.stack([torch.isfinite(grad).all() for grad in grads]).all()
+        bad = (~finite).to(device=bad.device, dtype=bad.dtype).reshape(1)
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return not bool(bad.item())
 
