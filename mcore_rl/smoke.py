@@ -35,7 +35,7 @@ def next_token_loss(outputs: dict, micro_batch: dict):
     """Token-mean negative log-likelihood over real tokens (position 0 has no prediction)."""
     mask = micro_batch["attention_mask"].clone()
     mask[:, 0] = 0
-    return -(outputs["logprobs"] * mask).sum(), int(mask.sum()), {}
+    return -(outputs["logprobs"] * mask).sum(), mask.sum(), {}
 
 
 def run_smoke(config: JobConfig) -> list[dict]:

@@ -15,6 +15,9 @@ the CPU everything is host memory and these bugs pass silently. Inside `discipli
   two and host index tensors are allowed), and so does a collective handed a host tensor.
 
 Values are computed for real, so whole training steps run with their usual numbers.
+
+`HostSynchronisations` counts the other GPU-only cost a CPU cannot show: reads of a device
+value on the host, each of which stalls the stream.
 """
 
 from __future__ import annotations
@@ -208,3 +211,16 @@ def discipline():
         for name, original in originals.items():
             for module in (dist, distributed_c10d):
                 setattr(module, name, original)
+
+
+class HostSynchronisations(TorchDispatchMode):
+    """Counts what stalls a GPU's stream: a tensor's value read on the host (`.item()`,
+    `bool()`, `int()` of a tensor all dispatch to aten._local_scalar_dense)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))

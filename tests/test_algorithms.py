@@ -8,6 +8,7 @@ import statistics
 import pytest
 import torch
 
+from device_discipline import HostSynchronisations
 from mcore_rl.algorithms import (ADVANTAGE_ESTIMATORS, AdvantageInputs, KLController,
                                  aggregate, apply_kl_penalty, compute_advantages, gspo_loss,
                                  kl_estimate, ppo_loss, value_loss)
@@ -303,8 +304,19 @@ def test_aggregation_is_the_global_mean_whatever_the_micro_batches(mode):
     for micro_batch in (12, 4, 3, 1):
         parts = [aggregate(losses[i:i + micro_batch], mask[i:i + micro_batch], mode, 7)
                  for i in range(0, 12, micro_batch)]
-        total = sum(float(n) for n, _ in parts) / sum(d for _, d in parts)
+        total = sum(float(n) for n, _ in parts) / sum(float(d) for _, d in parts)
         assert total == pytest.approx(expected, rel=1e-5)
+
+
+def test_aggregation_never_waits_for_the_device():
+    """The denominators stay tensors: a count read on the host would stall the schedule once
+    per micro-batch."""
+    losses, mask = torch.randn(4, 7), (torch.rand(4, 7) > 0.4).float()
+    with HostSynchronisations() as synchronisations:
+        for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                     "seq-mean-token-sum-norm"):
+            aggregate(losses, mask, mode, 7)
+    assert synchronisations.count == 0
 
 
 def _whiten_over_two_ranks(out_path):

@@ -18,6 +18,7 @@ import pytest
 LAYERS = (
     ("config",),
     ("runtime",),
+    ("sandbox",),
     ("param_layout", "algorithms", "data", "rewards", "evaluation", "observability"),
     ("checkpoint",),
     ("conversion",),

@@ -5,9 +5,9 @@ and in chunks of positions that do not divide it (the backward recomputes each c
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mcore_rl.models.logprobs import vocab_parallel_logprobs_and_entropy
+from device_discipline import HostSynchronisations
 from world import run_world
 
 VOCAB, PADDED = 250, 256
@@ -77,19 +77,6 @@ def test_tensor_parallel_matches_log_softmax(world_size):
     check waits for the device once, not once per parameter (thousands of stalls per step for
     an MoE model)."""
     run_world(world_size, _check_tp, world_size)
-
-
-class HostSynchronisations(TorchDispatchMode):
-    """Counts what stalls a GPU's stream: a tensor's value read on the host (`.item()`,
-    `bool()`, `int()` of a tensor all dispatch to aten._local_scalar_dense)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
 
 
 def test_log_probs_and_their_gradient_never_wait_for_the_device():

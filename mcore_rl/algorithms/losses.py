@@ -84,14 +84,16 @@ def value_loss(values, old_values, returns, mask, config: AlgorithmConfig):
 
 
 def aggregate(losses: torch.Tensor, mask: torch.Tensor, mode: str,
-              max_response_length: int) -> tuple[torch.Tensor, int]:
-    """(numerator, integer denominator) of `mode` over this micro-batch; see the module doc."""
+              max_response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(numerator, integer-valued denominator) of `mode` over this micro-batch, both tensors on
+    the losses' device (reading a count on the host would stall the schedule once per
+    micro-batch); see the module doc."""
     mask = mask.to(losses.dtype)
     token_sums = (losses * mask).sum(dim=-1)
     token_counts = mask.sum(dim=-1)
-    sequences = int((token_counts > 0).sum())
+    sequences = (token_counts > 0).sum()
     if mode == "token-mean":
-        return token_sums.sum(), int(token_counts.sum())
+        return token_sums.sum(), token_counts.sum()
     if mode == "seq-mean-token-sum":
         return token_sums.sum(), sequences
     if mode == "seq-mean-token-mean":

@@ -19,7 +19,8 @@ it and which /dev/shm files they map. The kernel tells it when the rank is gone
    killed writer was creating), once no live process maps or holds it (it waits a few
    seconds for the other ranks of a dying job, whose own guards otherwise do it);
 3. removes the rank's private temporary folder (the rank's TMPDIR: vLLM's and multiprocessing's
-   sockets, libraries' temporary files).
+   sockets, libraries' temporary files) and the folders its sandboxes made beside it (named
+   after the rank).
 It ignores the signals sent to a whole job (SLURM's --signal, Ctrl-C's SIGINT, SIGTERM at the
 time limit) while its rank lives, and sits in a process group of its own, so `kill -9 -PGID`
 of the rank's group does not take it along.
@@ -31,6 +32,7 @@ The same file answers the start-up question "is this segment held by anyone?" fo
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
 import select
 import shutil
@@ -243,8 +245,13 @@ class _Guard:
             time.sleep(0.5)
 
     def remove_temp_dir(self) -> None:
+        """The rank's private folder and those named after it beside it (its sandboxes'
+        zygotes, killed above before they could remove theirs): <prefix><pid>-<start time>-*."""
         if self.temp_dir:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            parent, name = os.path.split(self.temp_dir)
+            owner = "-".join(name.split("-")[:4])
+            for folder in glob.glob(os.path.join(glob.escape(parent), f"{owner}-*")):
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _exited(pidfd: int) -> bool:

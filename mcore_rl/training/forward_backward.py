@@ -15,8 +15,8 @@ Batches may live anywhere (the trainer keeps them in host memory): each micro-ba
 the model's device as the schedule asks for it, so only one micro-batch at a time occupies the
 GPU, and outputs come back on the device of the batch that was passed in.
 
-Losses are global means by construction: a loss function returns a numerator and an integer
-denominator per micro-batch; Megatron (`calculate_per_token_loss`) sums the denominators over
+Losses are global means by construction: a loss function returns a numerator and an
+integer-valued denominator per micro-batch (tensors: nothing read on the host); Megatron (`calculate_per_token_loss`) sums the denominators over
 micro-batches and data-parallel ranks and divides the summed gradients by that total. A
 token-mean, a sequence-mean or any other aggregation is exact whatever the layout.
 """
