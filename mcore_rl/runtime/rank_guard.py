@@ -248,9 +248,8 @@ class _Guard:
         """The rank's private folder and those named after it beside it (its sandboxes'
         zygotes, killed above before they could remove theirs): <prefix><pid>-<start time>-*."""
         if self.temp_dir:
-            parent, name = os.path.split(self.temp_dir)
-            owner = "-".join(name.split("-")[:4])
-            for folder in glob.glob(os.path.join(glob.escape(parent), f"{owner}-*")):
+            owner = self.temp_dir.rpartition("-")[0]  # mkdtemp's random tail has no "-"
+            for folder in glob.glob(f"{glob.escape(owner)}-*"):
                 shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -231,7 +231,7 @@ def _keep_importable(path_descriptors: dict[str, int]) -> None:
 def _reachable(path: str, replacements: dict[str, str]) -> str:
     """`path` below a replaced entry, through that entry's replacement."""
     for entry, replacement in replacements.items():
-        if path == entry or path.startswith(entry + os.sep):
+        if _beneath(path, entry):
             return replacement + path[len(entry):]
     return path
 
