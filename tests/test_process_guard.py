@@ -175,6 +175,19 @@ def test_reclaim_removes_what_nobody_holds_and_keeps_what_a_live_process_maps(tm
     assert not os.path.exists(stale) and not dead_rank_dir.exists() and live_rank_dir.exists()
 
 
+def test_a_live_processs_semaphore_is_held_and_a_dead_ones_is_not():
+    """A spawn-context semaphore is mapped under the name it was created with, since removed
+    (`sem.XXXXXX (deleted)`), then linked to its real name: a guard that judged by name unlinked
+    another test's vLLM start-up semaphore, and the engine's child could not open it (CI)."""
+    lock = multiprocessing.get_context("spawn").Lock()
+    name = "sem." + lock._semlock.name.lstrip("/")
+    assert os.path.exists(f"/dev/shm/{name}")
+    assert process_guard.rank_guard.unlink_unheld({name}) == ([], {name})
+    del lock  # its resource tracker would unlink it; a SIGKILLed creator leaves it behind
+    with open(f"/dev/shm/{name}", "wb") as handle:
+        handle.write(b"\0" * 32)
+    assert process_guard.rank_guard.unlink_unheld({name}) == ([name], set())
+
 def test_private_folders_are_not_nested():
     """A process started by a guarded one inherits its TMPDIR, a private folder; its own goes
     beside it, not inside (nested ones made vLLM's ZMQ socket paths, <TMPDIR>/<uuid>, longer

@@ -106,9 +106,10 @@ def descendants(table: dict, roots: set[int]) -> set[int]:
     return found
 
 
-def shm_files(pid: int) -> set[str]:
-    """Names of the /dev/shm files the process maps or has open."""
-    names = set()
+def _shm_entries(pid: int) -> list[tuple[str, int]]:
+    """(name, inode) of each /dev/shm file the process maps or has open; a removed name ends in
+    " (deleted)"."""
+    entries = []
     prefix = SHM_DIR + "/"
     try:
         with open(f"/proc/{pid}/maps", "rb") as handle:
@@ -117,19 +118,26 @@ def shm_files(pid: int) -> set[str]:
         maps = ""
     for line in maps.splitlines():
         at = line.find(prefix)
-        if at >= 0 and not line.endswith("(deleted)"):
-            names.add(line[at + len(prefix):])
+        if at >= 0:
+            fields = line.split(maxsplit=5)
+            entries.append((line[at + len(prefix):], int(fields[4])))
     try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith(prefix) and not target.endswith("(deleted)"):
-                names.add(target[len(prefix):])
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        pass
-    return names
+        fds = []
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith(prefix):
+                entries.append((target[len(prefix):], os.stat(f"/proc/{pid}/fd/{fd}").st_ino))
+        except OSError:
+            continue
+    return entries
+
+
+def shm_files(pid: int) -> set[str]:
+    """Names of the /dev/shm files the process maps or has open."""
+    return {name for name, _ in _shm_entries(pid) if not name.endswith("(deleted)")}
 
 
 def created_since(moment: float) -> set[str]:
@@ -145,28 +153,33 @@ def created_since(moment: float) -> set[str]:
     return names
 
 
-def held_shm_files(exclude: set[int] = frozenset()) -> set[str]:
-    """/dev/shm files some live process (other than `exclude`) maps or holds open."""
+def held_shm_inodes(exclude: set[int] = frozenset()) -> set[int]:
+    """Inodes of the /dev/shm files some live process (other than `exclude`) maps or holds open.
+    By inode, not name: a POSIX semaphore is mapped under the temporary name it was created with
+    (`sem.XXXXXX (deleted)`) and then linked to its real name, so by name a live process's
+    semaphore looks unheld (CI: a guard unlinked another test's vLLM start-up semaphore)."""
     held = set()
     for pid in process_table():
         if pid not in exclude:
-            held |= shm_files(pid)
+            held |= {inode for _, inode in _shm_entries(pid)}
     return held
 
 
 def unlink_unheld(names: set[str], exclude: set[int] = frozenset()) -> tuple[list[str], set[str]]:
     """Unlink the existing files among `names` (in /dev/shm, owned by this user) that nobody
     holds; returns (unlinked, still held)."""
-    existing = set()
+    existing = {}
     for name in names:
         try:
-            if os.stat(os.path.join(SHM_DIR, name)).st_uid == os.getuid():
-                existing.add(name)
+            status = os.stat(os.path.join(SHM_DIR, name))
         except OSError:
-            pass
-    held = existing & held_shm_files(exclude) if existing else set()
+            continue
+        if status.st_uid == os.getuid():
+            existing[name] = status.st_ino
+    held_inodes = held_shm_inodes(exclude) if existing else set()
+    held = {name for name, inode in existing.items() if inode in held_inodes}
     unlinked = []
-    for name in sorted(existing - held):
+    for name in sorted(existing.keys() - held):
         try:
             os.unlink(os.path.join(SHM_DIR, name))
             unlinked.append(name)
