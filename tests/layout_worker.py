@@ -127,9 +127,10 @@ def _merged_weights(module, model: ModelConfig, parallel: ParallelConfig, head: 
 
 def run_layout(model: ModelConfig, tp: int, pp: int, out_path: str,
                use_distributed_optimizer: bool = True, ep: int = 1,
-               dispatcher: str = "alltoall") -> None:
+               dispatcher: str = "alltoall", sequence_parallel: bool = False) -> None:
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              expert_model_parallel_size=ep, moe_token_dispatcher=dispatcher)
+                              expert_model_parallel_size=ep, moe_token_dispatcher=dispatcher,
+                              sequence_parallel=sequence_parallel)
     # adam_eps well above gradient round-off keeps Adam's first step (~lr * sign(g)) continuous
     # in g, so layouts that differ by float summation order stay within the tolerance.
     optimizer = OptimizerConfig(lr=1e-2, adam_eps=1e-3, clip_grad=1.0,

@@ -258,7 +258,9 @@ def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
     config = PromptConfig(max_prompt_tokens=trainer.config.data.max_prompt_tokens)
     vllm_greedy = trainer.scheduler.generator.generate(prompts, greedy)
     megatron_greedy = None
-    if trainer.config.parallel.expert_model_parallel_size == 1:  # EP ranks step together
+    parallel = trainer.config.parallel
+    # EP ranks step together; Megatron's static inference refuses sequence parallelism
+    if parallel.expert_model_parallel_size == 1 and not parallel.sequence_parallel:
         megatron = MegatronEngine(trainer.roles.actor.module, trainer.config.model, 16)
         megatron_greedy = [c.token_ids for c in megatron.generate(prompts, greedy,
                                                                   config).completions]

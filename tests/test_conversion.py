@@ -13,7 +13,7 @@ import torch
 
 from conversion_worker import run_parity
 from hf_models import (CASES, assert_same_hf_folder, hf_logits, hf_state, reference_batch,
-                       save_hf_case)
+                       save_hf_case, toy_llama)
 from mcore_rl.checkpoint.weights_io import is_checkpoint
 from mcore_rl.config import InitConfig
 from world import run_world
@@ -132,8 +132,10 @@ def _convert_in_world(hf_dir, ckpt, back):
     convert_mcore_to_hf(ckpt, back, max_file_bytes=20_000)
 
 
-def test_conversion_under_a_world_of_four(converted, tmp_path):
-    hf_dir = converted["qwen3"][0]
+def test_conversion_under_a_world_of_four(tmp_path):
+    """TP2 x PP2 on 4 ranks, each reading its own shards, of a 3-layer model: stages of 2 and 1
+    layers (uneven; config.parallel.pipeline_stage_layers), then back, bit-identical."""
+    hf_dir = toy_llama(str(tmp_path / "source"), num_layers=3)
     ckpt, back = str(tmp_path / "mcore"), str(tmp_path / "hf")
     run_world(4, _convert_in_world, hf_dir, ckpt, back)
     assert len(glob.glob(os.path.join(back, "*.safetensors"))) > 4  # files dealt to 4 ranks

@@ -1,11 +1,12 @@
 """The same weights give the same numbers at every layout (fp32, max abs difference <= 1e-5).
 
 For TP1/PP1 (the reference) and, in a world of 4, TP2xPP2, TP4 (KV heads replicated) and
-TP2xDP2 (which hold TP2, PP2 and DP2 alone; worlds of two for each were dropped for suite time):
-per-token log-probs, entropies and critic values before training, the
-global loss and grad norm of one step, and every updated weight after one Adam step of Megatron
-DDP + distributed optimizer on the same global batch. A Mixture-of-Experts model likewise at
-EP2 and PP2 x EP2.
+TP2xDP2 with sequence parallelism (which hold TP2, PP2 and DP2 alone; worlds of two for each
+were dropped for suite time), and uneven pipeline stages (PP3 over 4 layers): per-token
+log-probs, entropies and critic values before training, the global loss and grad norm of one
+step, and every updated weight after one Adam step of Megatron DDP + distributed optimizer on
+the same global batch. A Mixture-of-Experts model likewise at EP2, PP2 x EP2 and TP2 with
+sequence parallelism.
 """
 
 import dataclasses
@@ -30,12 +31,12 @@ _cache = {}
 
 
 def layout_result(tmp_path_factory, model, tp, pp, world, use_distributed_optimizer=True, ep=1,
-                  dispatcher="alltoall"):
-    key = (model, tp, pp, world, use_distributed_optimizer, ep, dispatcher)
+                  dispatcher="alltoall", sequence_parallel=False):
+    key = (model, tp, pp, world, use_distributed_optimizer, ep, dispatcher, sequence_parallel)
     if key not in _cache:
         path = tmp_path_factory.mktemp("layout") / "result.pt"
         run_world(world, run_layout, model, tp, pp, str(path), use_distributed_optimizer, ep,
-                  dispatcher)
+                  dispatcher, sequence_parallel)
         _cache[key] = torch.load(path, weights_only=False)
     return _cache[key]
 
@@ -77,9 +78,23 @@ def reference(tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 2), (4, 1), (2, 1)], ids=["TP2PP2", "TP4", "TP2DP2"])
-def test_world_of_four_matches_reference(tmp_path_factory, reference, tp, pp):
-    assert_same(layout_result(tmp_path_factory, MODEL, tp, pp, 4), reference)
+@pytest.mark.parametrize("tp, pp, sequence_parallel",
+                         [(2, 2, False), (4, 1, False), (2, 1, True)],
+                         ids=["TP2PP2", "TP4", "TP2DP2-SP"])
+def test_world_of_four_matches_reference(tmp_path_factory, reference, tp, pp, sequence_parallel):
+    """TP2 x DP2 with sequence parallelism: each TP rank normalises its chunk of the sequence
+    (models/norm.py) and Megatron sums the norms' gradients over the TP ranks."""
+    assert_same(layout_result(tmp_path_factory, MODEL, tp, pp, 4,
+                              sequence_parallel=sequence_parallel), reference)
+
+
+def test_uneven_pipeline_stages_match_reference(tmp_path_factory, reference):
+    """Four layers over three stages: Megatron builds 1, 2 and 1 layers from the first/last
+    stage counts the package derives (config.parallel.pipeline_stage_layers)."""
+    from mcore_rl.param_layout.sharding import stage_layers
+
+    assert stage_layers(MODEL, 3) == (1, 2, 1)
+    assert_same(layout_result(tmp_path_factory, MODEL, 1, 3, 3), reference)
 
 
 def test_tied_embeddings_across_pipeline_stages(tmp_path_factory):
@@ -97,22 +112,22 @@ shared expert."""
 
 @pytest.mark.parametrize("tp, pp, ep, world, dispatcher",
                          [(1, 1, 2, 2, "alltoall"), (1, 2, 2, 4, "alltoall"),
-                          (1, 1, 2, 2, "allgather")],
-                         ids=["EP2", "PP2EP2", "EP2-allgather"])
+                          (1, 1, 2, 2, "allgather"), (2, 1, 1, 2, "alltoall")],
+                         ids=["EP2", "PP2EP2", "EP2-allgather", "TP2-SP"])
 def test_experts_split_over_ranks_train_like_one_rank(tmp_path_factory, tp, pp, ep, world,
                                                       dispatcher):
     """One Adam step of the MoE model with its experts split over EP ranks (tokens exchanged
-    all-to-all, or all-gathered, expert gradients reduced over the expert data-parallel ranks)
-    equals the step on one rank. Not at TP2: Megatron's MoE layer trains with TP only under
-    sequence parallelism, which its local (torch) norms refuse; that needs Transformer Engine or
-    Apex (GPU)."""
+    all-to-all, or all-gathered, expert gradients reduced over the expert data-parallel ranks),
+    or over TP ranks (Megatron's MoE layer needs sequence parallelism there: models/norm.py),
+    equals the step on one rank."""
     reference = layout_result(tmp_path_factory, MOE, 1, 1, 1)
     assert_same(layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep,
-                              dispatcher=dispatcher), reference)
+                              dispatcher=dispatcher, sequence_parallel=tp > 1), reference)
 
 
-@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 1, 1), (1, 1, 2, 2), (1, 2, 2, 4)],
-                         ids=["one-rank", "EP2", "PP2EP2"])
+@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 1, 1), (1, 1, 2, 2), (1, 2, 2, 4),
+                                               (2, 1, 1, 2)],
+                         ids=["one-rank", "EP2", "PP2EP2", "TP2-SP"])
 def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world):
     """Routing replay (models/moe_routing.py, Megatron's RouterReplay) in the worlds above:
     replaying the routes the routers took reproduces the log-probs; replaying every route moved
@@ -120,7 +135,8 @@ def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world):
     log-probs exactly as on one rank, and shows in moe/router_agreement (the routers' own
     choices against the given routes); the MoE metrics are the same in every layout."""
     one_rank = layout_result(tmp_path_factory, MOE, 1, 1, 1)["routing"]
-    routing = layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep)["routing"]
+    routing = layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep,
+                            sequence_parallel=tp > 1)["routing"]
     natural = routing["natural"]["logprobs"]
     assert (routing["replayed"]["logprobs"] - natural).abs().max() <= 1e-6
     moved_change = (routing["moved"]["logprobs"] - natural).abs().max().item()

@@ -461,8 +461,32 @@ def test_stage_of_layer():
     assert [sh.stage_of_layer(i, model, 1) for i in range(4)] == [(0, 0), (0, 1), (0, 2), (0, 3)]
     with pytest.raises(ValueError, match="layer 4"):
         sh.stage_of_layer(4, model, 2)
-    with pytest.raises(ValueError, match="num_layers"):
-        sh.stage_of_layer(0, model, 3)
+    with pytest.raises(ValueError, match="num_layers=4 must be at least pipeline"):
+        sh.stage_of_layer(0, model, 5)
+
+
+@pytest.mark.parametrize("layers, stages", [(5, 2), (4, 3), (9, 4), (94, 4), (94, 8), (61, 16)])
+def test_uneven_stages_are_megatrons(layers, stages):
+    """Where the stages do not divide the layers, each stage holds the layers Megatron builds
+    there from the TransformerConfig we give it (its own offset and count functions)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from mcore_rl.config import ParallelConfig
+    from mcore_rl.models.transformer_config import megatron_transformer_config
+
+    model = make_model(layers=layers)
+    config = megatron_transformer_config(
+        model, ParallelConfig(pipeline_model_parallel_size=stages))
+    megatrons = [(get_transformer_layer_offset(config, pp_rank=stage),
+                  get_num_layers_to_build(config, pp_rank=stage)) for stage in range(stages)]
+    ours = [(sh.to_global_name("decoder.layers.0.mlp.linear_fc2.weight", stage, model, stages),
+             sh.stage_layers(model, stages)[stage]) for stage in range(stages)]
+    assert ours == [(f"decoder.layers.{first}.mlp.linear_fc2.weight", count)
+                    for first, count in megatrons]
+    assert [sh.stage_of_layer(first, model, stages)[0] for first, _ in megatrons] == \
+        list(range(stages))
+    assert min(count for _, count in megatrons) >= 1
 
 
 def test_local_and_global_names():

@@ -22,6 +22,10 @@ would not if a route landed on the wrong token; responses streamed through the e
 episodes are) leave no routes behind. It also evaluates 3 validation prompts over its two
 data-parallel ranks with a KL to the reference: shards of 2 and 1 prompts must still take the
 same number of micro-batches (all-to-alls over EP2).
+
+A fourth world trains the MoE model at TP2 with sequence parallelism (Megatron's MoE layer needs
+it at TP > 1; models/norm.py): each TP rank replays the engine's routes of its chunk of the
+sequence, with the same bounds.
 """
 
 
@@ -42,6 +46,7 @@ UNEVEN_EVALUATION = ["algorithm.use_kl_loss=true", "data.toy.val_size=3",
 """3 validation prompts over DP2 (2 and 1), 32 responses each at micro-batches of 32: the
 ranks' KL-to-reference passes would take 2 and 1 micro-batches, each an all-to-all over EP2."""
 MOE_CASE = "moe_ep2_to_tp2_r3"
+SEQUENCE_PARALLEL_CASE = "moe_tp2_sequence_parallel_to_tp2_r3"
 CASES = {  # name: (world size, overrides)
     "tp2pp2_to_tp4_tied": (4, WIDE_TIED + ["parallel.tensor_model_parallel_size=2",
                                            "parallel.pipeline_model_parallel_size=2",
@@ -50,6 +55,9 @@ CASES = {  # name: (world size, overrides)
                           "rollout.rollout_tp=2"]),
     MOE_CASE: (2, MOE + ["parallel.expert_model_parallel_size=2", "rollout.rollout_tp=2",
                          "rollout.routing_replay=r3"] + UNEVEN_EVALUATION),
+    SEQUENCE_PARALLEL_CASE: (2, MOE + ["parallel.tensor_model_parallel_size=2",
+                                       "parallel.sequence_parallel=true", "rollout.rollout_tp=2",
+                                       "rollout.routing_replay=r3"]),
 }
 
 
@@ -73,7 +81,7 @@ def test_engine_matches_trainer_after_each_sync(case):
     for step in ranks[0]["history"]:
         assert step["rollout/logprob_abs_diff_max"] <= 1e-4, name
         assert step["reshard/syncs"] == 1
-        if name == MOE_CASE:  # replayed engine routes: wrong ones move log-probs by ~0.6
+        if name in (MOE_CASE, SEQUENCE_PARALLEL_CASE):  # wrong routes move log-probs by ~0.6
             assert step["moe/router_agreement"] == 1.0 == step["moe/routes_replayed"]
     for rank in ranks:
         if rank["megatron"] is not None:  # None: no generation on the actor with EP > 1
@@ -93,7 +101,7 @@ def test_streamed_responses_leave_no_routes_behind(case):
     """Multi-turn episodes stream through the engine: the routes vLLM's routers report for
     them must not pile up (they grew every step until memory ran out)."""
     name, ranks = case
-    if name != MOE_CASE:
+    if name not in (MOE_CASE, SEQUENCE_PARALLEL_CASE):
         pytest.skip("routes are captured for MoE models only")
     assert [rank["held_routes"] for rank in ranks] == [0, 0]
 
@@ -101,7 +109,9 @@ def test_streamed_responses_leave_no_routes_behind(case):
 def test_each_rank_receives_exactly_what_it_lacks(case):
     name, ranks = case
     for step in ranks[0]["history"]:
-        assert step["reshard/bytes_received_max"] == step["reshard/lower_bound_bytes"] > 0
+        assert step["reshard/bytes_received_max"] == step["reshard/lower_bound_bytes"]
+        # at TP2 -> rollout TP2 each rank holds its engine shard already: nothing moves
+        assert (step["reshard/lower_bound_bytes"] == 0) == (name == SEQUENCE_PARALLEL_CASE)
     if name == "tp2pp2_to_tp4_tied":  # PP first: each rank's rollout quarter in its TP half
         order = ranks[0]["rank_order"].split("-")
         assert order.index("pp") < order.index("tp")

@@ -192,25 +192,30 @@ def lora_errors(config: JobConfig, lora: LoraConfig, prefix: str) -> list[str]:
     return errors
 
 
-def _moe_rl_errors(config: JobConfig) -> list[str]:
+def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
     """What an RL job on a Mixture-of-Experts model cannot do yet. With experts split over
     ranks, every forward pass exchanges tokens among the EP ranks, so they must run the same
     number of them: generating on the actor (responses of different lengths) and token-budget
-    micro-batches (a rank's count depends on its lengths) would leave one waiting."""
+    micro-batches (a rank's count depends on its lengths) would leave one waiting. vLLM splits
+    each expert over all its data x tensor-parallel ranks, not over one engine's TP ranks as the
+    weight sync plans it (seen as mismatched shapes at the first sync)."""
     replay = config.rollout.routing_replay
     if not config.model.moe.enabled:
         return [f"rollout.routing_replay={replay} needs a Mixture-of-Experts model "
                 "(model.moe.num_experts > 0)"] if replay != "none" else []
     errors = []
-    if replay != "none" and config.parallel.sequence_parallel:
-        errors.append(f"rollout.routing_replay={replay} with sequence parallelism (MoE at "
-                      "tensor_model_parallel_size > 1) is not verified yet (docs/moe.md)")
     if replay == "r3" and config.rollout.engine != "vllm":
         errors.append("rollout.routing_replay=r3 replays the vLLM engine's routes: needs "
                       "rollout.engine=vllm")
     if config.placement.split:
         errors.append(f"placement.rollout_ranks={config.placement.rollout_ranks}: split "
                       "placement with a Mixture-of-Experts model is not built yet (docs/moe.md)")
+    engine_ranks = config.placement.engine_ranks(world_size)
+    if config.rollout.engine == "vllm" and engine_ranks > config.rollout.rollout_tp:
+        errors.append(f"rollout.rollout_tp={config.rollout.rollout_tp} on {engine_ranks} ranks: "
+                      "vLLM splits a Mixture-of-Experts model's experts over all its data x "
+                      "tensor-parallel ranks, which the weight sync does not plan yet; set "
+                      "rollout.rollout_tp to the number of ranks (docs/moe.md)")
     if config.parallel.expert_model_parallel_size > 1:
         if config.rollout.engine != "vllm":
             errors.append(f"rollout.engine={config.rollout.engine!r} generates on the actor, "
@@ -241,7 +246,8 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
     errors += config.data.errors() + config.reward.errors()
     errors += config.actor.optimizer.check("actor.optimizer")
     errors += config.critic.optimizer.check("critic.optimizer")
-    errors += _rl_batch_errors(config, world_size) + list(name_errors) + _moe_rl_errors(config)
+    errors += _rl_batch_errors(config, world_size) + list(name_errors)
+    errors += _moe_rl_errors(config, world_size)
     errors += _engine_old_logprob_errors(config)
     errors += lora_errors(config, config.actor.lora, "actor.lora")
     errors += _teacher_errors(config, world_size)

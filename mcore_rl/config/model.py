@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .parallel import pipeline_stage_layers
+
 
 @dataclass(frozen=True)
 class RopeScalingConfig:
@@ -229,9 +231,10 @@ class ModelConfig:
         if self.ffn_hidden_size % tensor_parallel:
             errors.append(f"model.ffn_hidden_size={self.ffn_hidden_size} must be divisible by "
                           f"tensor_model_parallel_size={tensor_parallel}")
-        if self.num_layers % pipeline_parallel:
-            errors.append(f"model.num_layers={self.num_layers} must be divisible by "
-                          f"pipeline_model_parallel_size={pipeline_parallel}")
+        try:
+            pipeline_stage_layers(self.num_layers, pipeline_parallel)
+        except ValueError as error:
+            errors.append(str(error))
         if self.kv_channels % 2:
             errors.append(f"head_dim={self.kv_channels} must be even for rotary embeddings")
         return errors + self.moe.errors(self.num_layers, tensor_parallel)

@@ -18,6 +18,29 @@ AUTO_ORDER = "auto"
 MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
 
 
+def pipeline_stage_layers(num_layers: int, pipeline_parallel: int) -> tuple[int, ...]:
+    """Transformer layers on each pipeline stage, first stage first: the one rule every part of
+    the package (Megatron's model, checkpoints, conversion, resharding) splits layers by.
+
+    Even when the stages divide the layers. Otherwise the middle stages hold ceil(layers /
+    stages) each (fewer while that would leave the end stages less than one layer each) and
+    the first and last stages share the rest, the last taking the smaller half: it also computes
+    the output layer and the loss. 94 layers at PP4: 23, 24, 24, 23; 5 at PP2: 3, 2. This is
+    Megatron's uneven split (`num_layers_in_first/last_pipeline_stage`): middle stages equal."""
+    if pipeline_parallel < 1 or num_layers < pipeline_parallel:
+        raise ValueError(f"model.num_layers={num_layers} must be at least "
+                         f"pipeline_model_parallel_size={pipeline_parallel} (no stage may be "
+                         "empty)")
+    if num_layers % pipeline_parallel == 0 or pipeline_parallel == 1:
+        return (num_layers // pipeline_parallel,) * pipeline_parallel
+    middle_stages = pipeline_parallel - 2
+    per_middle = -(-num_layers // pipeline_parallel)
+    while num_layers - per_middle * middle_stages < 2:
+        per_middle -= 1
+    ends = num_layers - per_middle * middle_stages
+    return (ends - ends // 2, *(per_middle,) * middle_stages, ends // 2)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Training layout of the actor/critic models over the ranks of one torchrun/srun world."""
@@ -26,7 +49,9 @@ class ParallelConfig:
     """Ranks that split every layer's matrices (Megatron TP)."""
 
     pipeline_model_parallel_size: int = 1
-    """Ranks that split the layers into consecutive stages (Megatron PP)."""
+    """Ranks that split the layers into consecutive stages (Megatron PP). Stages need not divide
+    the layers: `pipeline_stage_layers` then gives the first and last stages fewer (94 layers at
+    PP4: 23, 24, 24, 23)."""
 
     context_parallel_size: int = 1
     """Ranks that split the sequence (Megatron CP). Reserved: only 1 is supported today."""

@@ -46,11 +46,14 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
     if groups is None:
         pre_process = parallel_state.is_pipeline_first_stage()
         post_process = parallel_state.is_pipeline_last_stage()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     else:
         pre_process, post_process = groups.is_first_stage, groups.is_last_stage
+        pp_rank = groups.pp_rank
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec(config, model.qk_norm, model.moe.enabled, lora),
+        transformer_layer_spec=decoder_spec(config, model.qk_norm, model.moe.enabled, pp_rank,
+                                            lora),
         vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,

@@ -3,8 +3,12 @@ model, read at the last valid token).
 
 It replaces GPTModel.output_layer and keeps its call signature, so Megatron's GPTModel forward,
 pipeline schedules and checkpointing need no changes. The weight is tiny and replicated on every
-TP rank; since the hidden states entering it are replicated too (no sequence parallelism on the
-head), every TP rank computes the same value and receives the same gradient.
+TP rank. Without sequence parallelism the hidden states entering it are replicated too, so every
+TP rank computes the same values and receives the same gradient. With it, each TP rank scores
+its chunk of the sequence and the values are gathered: the weight's gradient is then a partial
+sum, which Megatron sums over the TP ranks (the weight is marked `sequence_parallel`, as norms
+are). Gathering the hidden states first instead gave every rank the whole gradient, and that sum
+doubled it at TP2 (tests/test_layout_invariance.py).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ class ScalarHead(nn.Module):
         self.scalar_weight.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        values = hidden_states @ self.scalar_weight.t()
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-            hidden_states = gather_from_sequence_parallel_region(hidden_states,
-                                                                 tensor_parallel_output_grad=False)
-        return hidden_states @ self.scalar_weight.t(), None
+            values = gather_from_sequence_parallel_region(values,
+                                                          tensor_parallel_output_grad=False)
+        return values, None

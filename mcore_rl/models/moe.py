@@ -29,20 +29,26 @@ class PlainLinearRouter(TopKRouter):
         return F.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
-def moe_block_spec(config, use_transformer_engine: bool, attention_module=None):
+def moe_block_spec(config, use_transformer_engine: bool, pp_rank: int):
     """The decoder block's spec for `config` (dense and MoE layers as config.moe_layer_freq
-    lists them, on this pipeline stage), with `attention_module` as every layer's core
-    attention when given (the local spec's SDPA attention) and, without Transformer Engine,
-    PlainLinearRouter as every MoE layer's router. The dense and the MoE layer spec are each
-    shared by all layers of their kind, so changing one changes them all."""
+    lists them, on pipeline stage `pp_rank`). Without Transformer Engine every layer gets the
+    local spec's SDPA attention, models/norm.py's RMSNorm (sequence parallelism, which
+    Megatron's MoE layer needs at TP > 1) and PlainLinearRouter. The dense and the MoE layer
+    spec are each shared by all layers of their kind, so changing one changes them all."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
-                                       normalization="RMSNorm")
-    for layer in block.layer_specs:
-        if attention_module is not None:
-            layer.submodules.self_attention.submodules.core_attention = attention_module
+                                       normalization="RMSNorm", pp_rank=pp_rank)
+    if use_transformer_engine:
+        return block
+    from .attention import SdpaAttention
+    from .norm import RMSNorm, with_local_norms
+
+    for layer in {id(layer): layer for layer in block.layer_specs}.values():
+        layer.submodules.self_attention.submodules.core_attention = SdpaAttention
+        with_local_norms(layer)
         mlp = mlp_submodules(layer)
-        if not use_transformer_engine and hasattr(mlp, "router"):
+        if hasattr(mlp, "router"):
             mlp.router = PlainLinearRouter
+    block.layer_norm = RMSNorm
     return block

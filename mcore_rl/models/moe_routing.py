@@ -80,6 +80,17 @@ def _sequence_major(per_token: torch.Tensor, sequence_parallel: bool) -> torch.T
     return tokens.reshape(-1, *per_token.shape[2:])
 
 
+def _whole_sequence(tokens: torch.Tensor) -> torch.Tensor:
+    """This TP rank's [s_local * b, ...] sequence chunk -> the whole [s * b, ...], gathered
+    over the TP ranks (the inverse of `_sequence_major`'s chunking)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    whole = tokens.new_empty((tokens.shape[0] * dist.get_world_size(group), *tokens.shape[1:]))
+    dist.all_gather_into_tensor(whole, tokens.contiguous(), group=group)
+    return whole
+
+
 def _batch_major(tokens: torch.Tensor, batch: int) -> torch.Tensor:
     """The router's [s_local * b, ...] -> [b, s_local, ...]."""
     return tokens.reshape(-1, batch, *tokens.shape[1:]).transpose(0, 1)
@@ -164,8 +175,8 @@ class RoutingPass:
                  taken_by_row: torch.Tensor | None) -> None:
         """Add one router's forward to the pass's figures, over the real tokens that have a
         given route when routes are given (a replayed filler route is no router's choice);
-        keep its routes in `taken_by_row` [b, s, layers, k] (not under sequence parallelism:
-        a rank sees part of the sequence)."""
+        keep its routes in `taken_by_row` [b, s, layers, k] (under sequence parallelism the
+        TP ranks' chunks gathered: every TP rank runs each router, in the same order)."""
         sequence_parallel = router.config.sequence_parallel
         counted = _sequence_major(micro_batch["attention_mask"].bool(), sequence_parallel)
         # Dropless routing: each token's row holds exactly k experts (in no particular order).
@@ -194,9 +205,10 @@ class RoutingPass:
         probs_sum[slot] += probs[counted].sum(dim=0)
         entropy_sum[slot] += entropy[counted].sum()
         tokens[slot] += counted.sum()
-        if taken_by_row is not None and not sequence_parallel:
+        if taken_by_row is not None:
             rows = micro_batch["attention_mask"].shape[0]
-            taken_by_row[:, :, slot] = _batch_major(taken, rows)
+            whole = _whole_sequence(taken) if sequence_parallel else taken
+            taken_by_row[:, :, slot] = _batch_major(whole, rows)
 
     def _no_routes(self, rows: int, length: int, device=None) -> torch.Tensor:
         return torch.full((rows, length, self.layers, self.topk), NO_ROUTE, dtype=torch.int16,

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig, ParallelConfig
+from ..config.parallel import pipeline_stage_layers
 from ..config.runtime import resolve_precision
 from .kernels import announce_missing_kernels, fused_rope_available, fused_softmax_available
 
@@ -63,12 +64,23 @@ def megatron_transformer_config(model: ModelConfig, parallel: ParallelConfig,
         calculate_per_token_loss=True,
         variable_seq_lengths=False,
     )
+    fields.update(_uneven_pipeline_fields(model, parallel.pipeline_model_parallel_size))
     if model.moe.enabled:
         fields.update(moe_fields(model, parallel))
     if not random_init:
         fields.update(init_method=_left_for_the_load, output_layer_init_method=_left_for_the_load)
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+def _uneven_pipeline_fields(model: ModelConfig, pipeline_parallel: int) -> dict:
+    """Megatron's first/last-stage layer counts where the stages hold unequal numbers of layers
+    (config.parallel.pipeline_stage_layers: equal middle stages, as Megatron requires)."""
+    stages = pipeline_stage_layers(model.num_layers, pipeline_parallel)
+    if len(set(stages)) == 1:
+        return {}
+    return dict(num_layers_in_first_pipeline_stage=stages[0],
+                num_layers_in_last_pipeline_stage=stages[-1])
 
 
 def moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:

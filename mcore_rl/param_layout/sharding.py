@@ -71,9 +71,10 @@ Tensor-parallel layouts (Megatron's real ones)
 
 Pipeline layout
 ---------------
-Stage p owns global layers [p*L/P, (p+1)*L/P) and numbers them locally from 0. The embedding is on
-stage 0; the final norm and output layer on the last stage. With tied embeddings and P > 1
-Megatron also creates ``output_layer.weight`` on the last stage, a copy of the embedding.
+Stage p owns a run of consecutive global layers (L/P of them when P divides L, otherwise
+`config.parallel.pipeline_stage_layers`' uneven split) and numbers them locally from 0. The
+embedding is on stage 0; the final norm and output layer on the last stage. With tied embeddings
+and P > 1 Megatron also creates ``output_layer.weight`` on the last stage, a copy of the embedding.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from mcore_rl.config.model import ModelConfig
+from mcore_rl.config.parallel import pipeline_stage_layers
 
 
 class ShardKind(str, Enum):
@@ -475,20 +477,26 @@ def _merge(kind: ShardKind, shards: Sequence[torch.Tensor],
 # Pipeline parallelism
 # --------------------------------------------------------------------------------------------
 
-def layers_per_stage(model: ModelConfig, pp_size: int) -> int:
-    """Transformer layers on each pipeline stage (layers are split evenly)."""
-    if pp_size < 1 or model.num_layers % pp_size:
-        raise ValueError(f"model.num_layers={model.num_layers} must be divisible by "
-                         f"pipeline_model_parallel_size={pp_size}")
-    return model.num_layers // pp_size
+def stage_layers(model: ModelConfig, pp_size: int) -> tuple[int, ...]:
+    """Transformer layers on each pipeline stage (config.parallel's rule, even when possible)."""
+    return pipeline_stage_layers(model.num_layers, pp_size)
+
+
+def first_layer(model: ModelConfig, pp_size: int, pp_rank: int) -> int:
+    """Global index of the first layer on pipeline stage ``pp_rank``."""
+    return sum(stage_layers(model, pp_size)[:pp_rank])
 
 
 def stage_of_layer(global_layer: int, model: ModelConfig, pp_size: int) -> tuple[int, int]:
     """(pipeline stage, local layer index) holding global layer ``global_layer``."""
     if not 0 <= global_layer < model.num_layers:
         raise ValueError(f"layer {global_layer} is outside [0, {model.num_layers})")
-    per_stage = layers_per_stage(model, pp_size)
-    return global_layer // per_stage, global_layer % per_stage
+    local = global_layer
+    for stage, layers in enumerate(stage_layers(model, pp_size)):
+        if local < layers:
+            return stage, local
+        local -= layers
+    raise AssertionError("the stages hold every layer")
 
 
 def _check_known(name: str) -> None:
@@ -506,8 +514,8 @@ def _stage_of_global_param(name: str, pp_size: int) -> int:
 def to_global_name(local_name: str, pp_rank: int, model: ModelConfig, pp_size: int) -> str:
     """The global-index name of ``local_name`` as it appears on stage ``pp_rank``. Only layer
     indices change; the spelling (local spec or TE) is kept."""
-    per_stage = layers_per_stage(model, pp_size)
     _check_rank(pp_rank, pp_size, "pp_rank")
+    on_stage = stage_layers(model, pp_size)[pp_rank]
     _check_known(local_name)
     local = _layer_index(local_name)
     if local is None:
@@ -515,10 +523,10 @@ def to_global_name(local_name: str, pp_rank: int, model: ModelConfig, pp_size: i
         if owner != pp_rank:
             raise ValueError(f"{local_name!r} lives on pipeline stage {owner}, not {pp_rank}")
         return local_name
-    if local >= per_stage:
-        raise ValueError(f"{local_name!r}: local layer {local} is outside [0, {per_stage}) on "
+    if local >= on_stage:
+        raise ValueError(f"{local_name!r}: local layer {local} is outside [0, {on_stage}) on "
                          f"pipeline stage {pp_rank}")
-    return _with_layer_index(local_name, pp_rank * per_stage + local)
+    return _with_layer_index(local_name, first_layer(model, pp_size, pp_rank) + local)
 
 
 def to_local_name(global_name: str, model: ModelConfig, pp_size: int) -> tuple[int, str]:
@@ -567,7 +575,7 @@ def stage_params(model: ModelConfig, pp_size: int, pp_rank: int, head: str = "lm
     (in Megatron's named_parameters order) -> the canonical full name each comes from. With
     tied embeddings and P > 1, the last stage's ``output_layer.weight`` maps to
     ``embedding.word_embeddings.weight``."""
-    layers_per_stage(model, pp_size)
+    stage_layers(model, pp_size)
     _check_rank(pp_rank, pp_size, "pp_rank")
     _check_rank(ep_rank, ep_size, "ep_rank")
     per_rank = experts_per_rank(model, ep_size) if model.moe.enabled else 0
