@@ -272,11 +272,6 @@ def test_rl_config_rules_name_the_fields():
                                           "routes: needs rollout.engine=vllm"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.routing_replay=r3",
                                        "rollout.engine=megatron"]), 1)
-    with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch gives ranks "
-                                          "different numbers of micro-batches"):
-        validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=vllm",
-                                       "actor.max_tokens_per_micro_batch=64",
-                                       "parallel.expert_model_parallel_size=2"]), 2)
     with pytest.raises(ConfigError, match="rollout.rollout_tp=1 on 2 ranks: vLLM splits a "
                                           "Mixture-of-Experts model's experts over all"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=vllm",

@@ -39,15 +39,29 @@ def test_split_follows_its_definition():
         token_budget_micro_batches(batch, max_tokens=10)
 
 
-@pytest.mark.parametrize("pipeline", [1, 2])
-def test_scores_and_updates_match_fixed_micro_batches(tmp_path, pipeline):
+@pytest.mark.parametrize("pipeline, expert_parallel", [(1, 1), (2, 1), (1, 2)],
+                         ids=["one-rank", "PP2", "EP2"])
+def test_scores_and_updates_match_fixed_micro_batches(tmp_path, pipeline, expert_parallel):
+    """EP2: a Mixture-of-Experts model with its experts split over two ranks whose rows need
+    different numbers of token-budget micro-batches; without the fillers the rank with fewer
+    would stop exchanging tokens first and the other would wait for it until the timeout."""
     from token_budget_worker import compare_micro_batching
 
-    run_world(pipeline, compare_micro_batching, str(tmp_path / "out.pt"), pipeline, 40)
-    saved = torch.load(tmp_path / "out.pt")
+    run_world(pipeline * expert_parallel, compare_micro_batching, str(tmp_path / "out.pt"),
+              pipeline, 40, expert_parallel)
+    ranks = torch.load(tmp_path / "out.pt")
+    if expert_parallel > 1:
+        counts = [rank["budget_micro_batches"] for rank in ranks]
+        assert counts[0] != counts[1], counts
+    else:  # lengths differ, so micro-batch shapes vary
+        assert ranks[0]["batch"]["attention_mask"].sum(1).unique().numel() > 2
+    for saved in ranks:
+        _assert_budget_equals_fixed(saved)
+
+
+def _assert_budget_equals_fixed(saved: dict) -> None:
     fixed, budget = saved["results"]["fixed"], saved["results"]["budget"]
     mask = saved["batch"]["attention_mask"].bool()
-    assert mask.sum(1).unique().numel() > 2  # lengths differ, so micro-batch shapes vary
     for name in ("logprobs", "entropy", "logprobs_after"):
         torch.testing.assert_close(budget[name], fixed[name], atol=1e-5, rtol=1e-5)
         assert (budget[name][~mask] == 0).all()

@@ -195,8 +195,8 @@ def lora_errors(config: JobConfig, lora: LoraConfig, prefix: str) -> list[str]:
 def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
     """What an RL job on a Mixture-of-Experts model cannot do yet. With experts split over
     ranks, every forward pass exchanges tokens among the EP ranks, so they must run the same
-    number of them: generating on the actor (responses of different lengths) and token-budget
-    micro-batches (a rank's count depends on its lengths) would leave one waiting. vLLM splits
+    number of them: generating on the actor (responses of different lengths) would leave one
+    waiting (token-budget micro-batches are evened out with fillers). vLLM splits
     each expert over all its data x tensor-parallel ranks, not over one engine's TP ranks as the
     weight sync plans it (seen as mismatched shapes at the first sync)."""
     replay = config.rollout.routing_replay
@@ -222,12 +222,6 @@ def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
                           "where ranks with experts split (parallel.expert_model_parallel_size "
                           "> 1) run different numbers of forward passes: use rollout.engine="
                           "vllm")
-        for role in ("actor", "critic") if config.algorithm.needs_critic else ("actor",):
-            if getattr(config, role).max_tokens_per_micro_batch:
-                errors.append(f"{role}.max_tokens_per_micro_batch gives ranks different numbers"
-                              " of micro-batches, which experts split over ranks "
-                              "(parallel.expert_model_parallel_size > 1) cannot run: set it "
-                              "to 0")
     if config.parallel.moe_token_dispatcher == "allgather":
         for role in ("actor", "critic") if config.algorithm.needs_critic else ("actor",):
             if getattr(config, role).max_tokens_per_micro_batch:

@@ -149,8 +149,8 @@ class RoutingPass:
                                       taken))
                     stack.callback(handle.remove)
             yield
-        if taken is not None:
-            self._taken.append((micro_batch["row_ids"].cpu(), taken.cpu()))
+        if taken is not None and bool(mask.any()):  # not a filler (nothing to keep); copies
+            self._taken.append((micro_batch["row_ids"].cpu(), taken.cpu()))  # sync anyway
 
     @contextmanager
     def _replaying(self, router, routes: torch.Tensor) -> Iterator[None]:

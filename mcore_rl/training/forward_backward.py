@@ -118,19 +118,51 @@ def _forward_step(head: str, vocab_size: int, temperature: float, tp_group,
 
 
 def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
-                   max_tokens: int) -> tuple[list[Batch], torch.Tensor | None]:
+                   max_tokens: int) -> tuple[list[Batch], torch.Tensor | None, int]:
     """Fixed-size micro-batches, or with a token budget (max_tokens > 0) length-sorted ones of
-    varying shapes (then also the row order; see batches.token_budget_micro_batches)."""
+    varying shapes (then also the row order; see batches.token_budget_micro_batches), followed
+    by fillers (`_expert_group_fillers`); returns (micro-batches, order, fillers at the end)."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
     config = get_model_config(chunks[0])
     config.variable_seq_lengths = max_tokens > 0
     if max_tokens <= 0:
-        return split_micro_batches(batch, micro_batch_size), None
+        return split_micro_batches(batch, micro_batch_size), None, 0
     length_multiple = parallel_state.get_tensor_model_parallel_world_size() \
         if config.sequence_parallel else 1
-    return token_budget_micro_batches(batch, max_tokens, length_multiple)
+    micro_batches, order = token_budget_micro_batches(batch, max_tokens, length_multiple)
+    fillers = _expert_group_fillers(micro_batches, length_multiple)
+    return micro_batches + fillers, order, len(fillers)
+
+
+def _expert_group_fillers(micro_batches: list[Batch], length: int) -> list[Batch]:
+    """With experts split over ranks every forward exchanges tokens among the expert group, so
+    its ranks must run equally many; a token budget gives each as many micro-batches as its
+    rows' lengths need. The ranks with fewer run fillers up to the group's most: one row of
+    `length` tokens copied from a real one (valid tokens and routes), every mask zeroed, so no
+    loss, gradient or metric sees it. Their outputs are dropped (`_without_fillers`)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return []
+    count = torch.tensor([len(micro_batches)], device=collective_device())
+    dist.all_reduce(count, op=dist.ReduceOp.MAX,
+                    group=parallel_state.get_expert_model_parallel_group())
+    missing = int(count.item()) - len(micro_batches)  # one host read per pass
+    if missing == 0:
+        return []
+    row = {name: tensor[:1, :length] if tensor.dim() > 1 else tensor[:1]
+           for name, tensor in micro_batches[-1].items()}
+    filler = {name: torch.zeros_like(tensor) if name.endswith("mask") else tensor
+              for name, tensor in row.items()}
+    return [filler] * missing
+
+
+def _without_fillers(per_micro_batch: list, micro_batches: list[Batch], fillers: int) -> list:
+    """The schedule's per-micro-batch results (last stage; others have none) without the
+    fillers' at the end."""
+    return per_micro_batch[:len(micro_batches) - fillers]
 
 
 @dataclass
@@ -219,10 +251,11 @@ def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str
         chunk.eval()
     if routing is not None and routing.keep_routes:
         batch = dict(batch, row_ids=torch.arange(batch["input_ids"].shape[0]))
-    micro_batches, order = _micro_batches(chunks, batch, micro_batch_size, max_tokens)
+    micro_batches, order, fillers = _micro_batches(chunks, batch, micro_batch_size, max_tokens)
     pipeline = _pipeline(chunks[0], groups)
-    per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None,
-                                    True, pipeline, routing)
+    per_micro_batch = _without_fillers(
+        _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None, True,
+                      pipeline, routing), micro_batches, fillers)
     names = ("values",) if head == "scalar" else ("logprobs", "entropy")
     shape = tuple(batch["input_ids"].shape)
     results = {}
@@ -240,8 +273,8 @@ def _in_batch_order(outputs: list[torch.Tensor], order: torch.Tensor | None,
     if order is None:
         return torch.cat(outputs)
     result = outputs[0].new_zeros(shape)
-    result[order.to(result.device)] = torch.cat([torch.nn.functional.pad(out, (0, shape[1] - out.shape[1]))
-                               for out in outputs])
+    padded = [torch.nn.functional.pad(out, (0, shape[1] - out.shape[1])) for out in outputs]
+    result[order.to(result.device)] = torch.cat(padded)
     return result
 
 
@@ -259,9 +292,10 @@ def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_
         chunk.train()
         chunk.zero_grad_buffer()
     model.optimizer.zero_grad()
-    micro_batches, _ = _micro_batches(model.chunks, batch, micro_batch_size, max_tokens)
-    per_micro_batch = _run_schedule(model.chunks, micro_batches, head, vocab_size, temperature,
-                                    loss_fn, False, _pipeline(model.chunks[0], None), routing)
+    micro_batches, _, fillers = _micro_batches(model.chunks, batch, micro_batch_size, max_tokens)
+    per_micro_batch = _without_fillers(
+        _run_schedule(model.chunks, micro_batches, head, vocab_size, temperature, loss_fn,
+                      False, _pipeline(model.chunks[0], None), routing), micro_batches, fillers)
     metrics = _reduce_metrics(per_micro_batch)
     finite = math.isfinite(metrics["loss"]) and _gradients_finite(model.chunks)
     updated, grad_norm = False, float("nan")
