@@ -4,10 +4,11 @@ rank receives only its rollout-TP shard in vLLM's layout, exactly the bytes it l
 Two worlds cover the cases the layouts differ in: training TP2 x PP2 -> rollout TP4 with tied
 embeddings, fewer KV heads (2) than rollout TP (vLLM replicates them) and a vocabulary padded
 differently by Megatron (to 256) and vLLM (to 64), where the trainer lays its ranks out PP
-first; and TP1 x PP4 -> rollout TP2, untied. In both: engine and trainer log-probs agree within
-1e-4 (fp32) after the first sync and after an optimizer step and a second sync, vLLM's greedy
-responses equal the Megatron engine's on the actor (the trainer's argmax), and every step's
-`reshard/bytes_received_max` equals `reshard/lower_bound_bytes`.
+first; and TP1 x PP4 -> rollout TP2, untied, with 5 layers over the 4 stages (2, 1, 1, 1). In
+both: engine and trainer log-probs agree within 1e-4 (fp32) after the first sync and after an
+optimizer step and a second sync, vLLM's greedy responses equal the Megatron engine's on the
+actor (the trainer's argmax), and every step's `reshard/bytes_received_max` equals
+`reshard/lower_bound_bytes`.
 
 A third world trains a Qwen3-MoE-like model (a dense first layer, 4 experts top-2) with its
 experts split over 2 ranks (EP2) and syncs into vLLM at rollout TP2, where each rank's expert
@@ -51,8 +52,8 @@ CASES = {  # name: (world size, overrides)
     "tp2pp2_to_tp4_tied": (4, WIDE_TIED + ["parallel.tensor_model_parallel_size=2",
                                            "parallel.pipeline_model_parallel_size=2",
                                            "rollout.rollout_tp=4"]),
-    "tp1pp4_to_tp2": (4, ["model.num_layers=4", "parallel.pipeline_model_parallel_size=4",
-                          "rollout.rollout_tp=2"]),
+    "tp1pp4_to_tp2": (4, ["model.num_layers=5", "parallel.pipeline_model_parallel_size=4",
+                          "rollout.rollout_tp=2"]),  # uneven stages: 2, 1, 1, 1 layers
     MOE_CASE: (2, MOE + ["parallel.expert_model_parallel_size=2", "rollout.rollout_tp=2",
                          "rollout.routing_replay=r3"] + UNEVEN_EVALUATION),
     SEQUENCE_PARALLEL_CASE: (2, MOE + ["parallel.tensor_model_parallel_size=2",
