@@ -123,8 +123,8 @@ def test_plan_counts_expert_parallel_training(tmp_path):
 
 
 @pytest.mark.parametrize("model,ep,message", [
-    (MOE_MODEL, "3", "expert-parallel size 3 must divide the data-parallel size 4 and the 8 "
-                     "experts"),
+    (MOE_MODEL, "3", "model.moe.num_experts=8 must be divisible by "
+                     "expert_model_parallel_size=3"),
     (MODEL, "2", "--train-ep 2 needs a Mixture-of-Experts model"),
 ], ids=["ep-not-dividing-dp", "ep-on-a-dense-model"])
 def test_plan_refuses_a_bad_expert_parallel_size(tmp_path, model, ep, message):

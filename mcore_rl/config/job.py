@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable
 
 from .algorithm import AlgorithmConfig
 from .data import CHAT_TEMPLATE_MODES, DataConfig
@@ -122,7 +122,8 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
                              f"{world_size} less placement.rollout_ranks)"
                              if training_world != world_size else "")
     errors += config.model.check(parallel.tensor_model_parallel_size,
-                                 parallel.pipeline_model_parallel_size)
+                                 parallel.pipeline_model_parallel_size,
+                                 parallel.expert_model_parallel_size)
     errors += config.optimizer.check("optimizer")
     errors += config.runtime.check()
     if not errors:
@@ -137,31 +138,22 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
     if config.trainer.console_every < 1:
         errors.append(f"trainer.console_every={config.trainer.console_every} must be >= 1")
     if not errors:
-        errors += _expert_layout_errors(config, training_world)
+        errors += _moe_tensor_parallel_errors(config)
     if errors:
         raise ConfigError("invalid configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
     return dataclasses.replace(config, runtime=config.runtime.resolved())
 
 
-def _expert_layout_errors(config: JobConfig, world_size: int) -> list[str]:
-    """Expert parallelism against the model and the world (Megatron's rules)."""
-    parallel, moe = config.parallel, config.model.moe
-    ep = parallel.expert_model_parallel_size
-    if not moe.enabled:
-        return ([f"parallel.expert_model_parallel_size={ep} needs a Mixture-of-Experts model "
-                 "(model.moe.num_experts > 0)"] if ep > 1 else [])
-    errors = []
-    if moe.num_experts % ep:
-        errors.append(f"model.moe.num_experts={moe.num_experts} must be divisible by "
-                      f"parallel.expert_model_parallel_size={ep}")
-    if parallel.data_parallel_size(world_size) % ep:
-        errors.append(f"parallel.expert_model_parallel_size={ep} must divide the data-parallel "
-                      f"size {parallel.data_parallel_size(world_size)}")
-    if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
-        errors.append("a Mixture-of-Experts model at tensor_model_parallel_size > 1 trains only "
-                      "with parallel.sequence_parallel=true (Megatron's MoE layer)")
-    return errors
+def _moe_tensor_parallel_errors(config: JobConfig) -> list[str]:
+    """Megatron's MoE layer at TP > 1. (The experts against EP: ModelConfig.check; EP against
+    the data-parallel size: ParallelConfig.check.)"""
+    parallel = config.parallel
+    if config.model.moe.enabled and parallel.tensor_model_parallel_size > 1 \
+            and not parallel.sequence_parallel:
+        return ["a Mixture-of-Experts model at tensor_model_parallel_size > 1 trains only "
+                "with parallel.sequence_parallel=true (Megatron's MoE layer)"]
+    return []
 
 
 MOE_DATASET_JOBS = ("sft", "dpo", "rm")

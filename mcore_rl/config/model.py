@@ -126,6 +126,19 @@ class MoEConfig:
                           f"{self.z_loss_coeff} must be >= 0")
         return errors
 
+    def expert_parallel_errors(self, expert_parallel: int) -> list[str]:
+        """The experts against expert_model_parallel_size (EP ranks split them evenly): the one
+        place this rule is written (config, conversion, the planner and sharding ask here)."""
+        if expert_parallel == 1:
+            return []
+        if not self.enabled:
+            return [f"expert_model_parallel_size={expert_parallel} needs a Mixture-of-Experts "
+                    "model (model.moe.num_experts > 0)"]
+        if expert_parallel < 1 or self.num_experts % expert_parallel:
+            return [f"model.moe.num_experts={self.num_experts} must be divisible by "
+                    f"expert_model_parallel_size={expert_parallel}"]
+        return []
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -200,7 +213,8 @@ class ModelConfig:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel
         return -(-self.vocab_size // multiple) * multiple
 
-    def check(self, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> list[str]:
+    def check(self, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+              expert_parallel: int = 1) -> list[str]:
         """Rules this architecture must meet, alone and at a given layout; returns the broken
         ones as messages naming the field (an empty list means valid)."""
         errors = []
@@ -237,7 +251,8 @@ class ModelConfig:
             errors.append(str(error))
         if self.kv_channels % 2:
             errors.append(f"head_dim={self.kv_channels} must be even for rotary embeddings")
-        return errors + self.moe.errors(self.num_layers, tensor_parallel)
+        return (errors + self.moe.errors(self.num_layers, tensor_parallel)
+                + self.moe.expert_parallel_errors(expert_parallel))
 
 
 @dataclass(frozen=True)

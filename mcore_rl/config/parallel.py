@@ -41,6 +41,15 @@ def pipeline_stage_layers(num_layers: int, pipeline_parallel: int) -> tuple[int,
     return (ends - ends // 2, *(per_middle,) * middle_stages, ends // 2)
 
 
+def expert_data_parallel_errors(expert_parallel: int, data_parallel: int) -> list[str]:
+    """Megatron's expert ranks are data-parallel ranks: EP must divide the data-parallel size
+    (the one place this rule is written; the planner's layouts ask here too)."""
+    if data_parallel % expert_parallel:
+        return [f"parallel.expert_model_parallel_size={expert_parallel} must divide the "
+                f"data-parallel size {data_parallel}"]
+    return []
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Training layout of the actor/critic models over the ranks of one torchrun/srun world."""
@@ -123,6 +132,9 @@ class ParallelConfig:
                           f"one of {MOE_TOKEN_DISPATCHERS}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             errors.append("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
+        if world_size % self.model_parallel_size == 0:
+            errors += expert_data_parallel_errors(self.expert_model_parallel_size,
+                                                  self.data_parallel_size(world_size))
         if world_size % self.model_parallel_size:
             errors.append(
                 f"{world_name or f'world size {world_size}'} must be divisible by "

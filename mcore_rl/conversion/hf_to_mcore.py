@@ -104,10 +104,7 @@ def convert_hf_to_mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1,
     if os.path.exists(out_dir):
         raise FileExistsError(f"output {out_dir} already exists; refusing to overwrite it")
     hf, arch, model = open_hf(hf_path)
-    errors = model.check(tp, pp)
-    if ep > 1 and (not model.moe.enabled or model.moe.num_experts % ep):
-        errors.append(f"--ep {ep} must divide the model's experts "
-                      f"(model.moe.num_experts={model.moe.num_experts})")
+    errors = model.check(tp, pp, ep)
     if errors:
         raise ValueError(f"{hf_path} cannot be laid out at tp={tp}, pp={pp}, ep={ep}: "
                          + "; ".join(errors))

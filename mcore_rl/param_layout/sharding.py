@@ -563,9 +563,9 @@ def _with_expert_index(name: str, index: int) -> str:
 
 def experts_per_rank(model: ModelConfig, ep_size: int) -> int:
     """Experts each expert-parallel rank holds (they are split evenly)."""
-    if ep_size < 1 or model.moe.num_experts % ep_size:
-        raise ValueError(f"model.moe.num_experts={model.moe.num_experts} must be divisible by "
-                         f"expert_model_parallel_size={ep_size}")
+    errors = model.moe.expert_parallel_errors(ep_size)
+    if errors:
+        raise ValueError(errors[0])
     return model.moe.num_experts // ep_size
 
 

@@ -41,7 +41,7 @@ from typing import Iterable
 import torch
 
 from mcore_rl.config.model import ModelConfig
-from mcore_rl.config.parallel import MEGATRON_DEFAULT_ORDER
+from mcore_rl.config.parallel import MEGATRON_DEFAULT_ORDER, expert_data_parallel_errors
 from mcore_rl.param_layout import sharding
 from mcore_rl.param_layout.sharding import ShardKind
 
@@ -300,11 +300,9 @@ class TrainingLayout:
 
     def errors(self) -> list[str]:
         """Broken rules of this layout (empty when valid)."""
-        errors = [f"training layout: {error}" for error in self.model.check(self.tp, self.pp)]
-        if self.ep > 1 and (self.dp % self.ep or self.model.moe.num_experts % self.ep):
-            errors.append(f"training layout: expert-parallel size {self.ep} must divide the "
-                          f"data-parallel size {self.dp} and the {self.model.moe.num_experts} "
-                          "experts")
+        errors = [f"training layout: {error}"
+                  for error in self.model.check(self.tp, self.pp, self.ep)
+                  + expert_data_parallel_errors(self.ep, self.dp)]
         if sorted(self.order) != sorted(DEFAULT_ORDER):
             errors.append(f"training layout: rank order {self.megatron_order!r} must be a "
                           f"permutation of tp, dp and pp")
