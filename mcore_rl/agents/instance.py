@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mcore_rl.config.rollout import SamplingConfig
 from mcore_rl.rollout import Generation, RolloutEngine
+from mcore_rl.runtime.regroup import gather_shares, one_share_per_key
 
 
 def run_on_instance(runner, engine: RolloutEngine, records: list, sampling: SamplingConfig,
@@ -26,11 +27,7 @@ def run_on_instance(runner, engine: RolloutEngine, records: list, sampling: Samp
     if group is None or dist.get_world_size(group) == 1:
         return runner.run(engine, records, sampling, max_prompt_tokens)
     leader = dist.get_process_group_ranks(group)[0]
-    shares = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shares, (engine.shard_key, records), group=group)
-    by_shard = {}
-    for key, share in shares:
-        by_shard.setdefault(key, share)
+    by_shard = one_share_per_key(gather_shares(engine.shard_key, records, group))
     payload = [None]
     if dist.get_rank() == leader:
         pooled = [record for share in by_shard.values() for record in share]

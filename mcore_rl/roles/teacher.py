@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.runtime.model_groups import ModelGroups
+from mcore_rl.runtime.regroup import gather_shares, one_share_per_key
 from mcore_rl.training import compute_outputs
 
 from .actor import scoring_inputs
@@ -81,12 +82,8 @@ def pool_rows(inputs: dict[str, torch.Tensor], shard: int, shards: list[int], gr
     shards in the group the rows are this rank's own (no collective)."""
     if len(set(shards)) == 1:
         return inputs, slice(0, inputs["input_ids"].shape[0])
-    held = [None] * len(shards)
     host = {name: tensor.cpu() for name, tensor in inputs.items()}
-    dist.all_gather_object(held, host, group=group)
-    by_shard = {}
-    for each, rows in zip(shards, held):
-        by_shard.setdefault(each, rows)
+    by_shard = one_share_per_key(gather_shares(shard, host, group))
     width = max(rows["input_ids"].shape[1] for rows in by_shard.values())
     order = sorted(by_shard)
     pooled = {name: torch.cat([torch.nn.functional.pad(

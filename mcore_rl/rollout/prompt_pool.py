@@ -18,6 +18,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
+from mcore_rl.runtime.regroup import gather_shares, one_share_per_key
 
 from .prompts import PromptError, check_request, prepare_prompts
 
@@ -55,22 +56,19 @@ def pool_requests(prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
             raise PromptError("; ".join(problems))
         return PooledRequests(prepared.token_ids, [sampling] * len(prepared.token_ids),
                               slice(0, len(prepared.token_ids)), prepared.truncated)
-    everyone = [None] * dist.get_world_size(group)
-    request = (shard_key, prepared.token_ids if prepared else None, sampling)
-    dist.all_gather_object(everyone, (request, problems), group=group)
-    ranks = dist.get_process_group_ranks(group)
-    messages = [f"rank {rank}: {problem}" for rank, (_, rank_problems) in zip(ranks, everyone)
+    request = (prepared.token_ids if prepared else None, sampling)
+    shares = gather_shares(shard_key, (request, problems), group)
+    messages = [f"rank {rank}: {problem}" for rank, _, (_, rank_problems) in shares
                 for problem in rank_problems]
     if messages:
         raise PromptError("; ".join(messages))
+    by_key = one_share_per_key(shares)
+    for rank, key, (rank_request, _) in shares:
+        if rank_request != by_key[key][0]:
+            raise PromptError(f"rank {rank} shares an engine and data shard {key} with an "
+                              "earlier rank of its group but passed a different request")
     pooled, samplings, slices = [], [], {}
-    for rank, ((key, rank_prompts, rank_sampling), _) in zip(ranks, everyone):
-        if key in slices:
-            first = slices[key]
-            if pooled[first] != rank_prompts or samplings[first.start] != rank_sampling:
-                raise PromptError(f"rank {rank} shares an engine and data shard {key} with an "
-                                  "earlier rank of its group but passed a different request")
-            continue
+    for key, ((rank_prompts, rank_sampling), _) in by_key.items():
         slices[key] = slice(len(pooled), len(pooled) + len(rank_prompts))
         pooled.extend(rank_prompts)
         samplings.extend([rank_sampling] * len(rank_prompts))
