@@ -124,6 +124,12 @@ def engine_checks(engine, module, sync, prompts: list) -> dict:
         found["one_rank_refused"] = "no error"
     except PromptError as error:
         found["one_rank_refused"] = str(error)
+    different_on_rank_1 = [[2, 3]] if dist.get_rank() == 1 else prompts
+    try:
+        engine.generate(different_on_rank_1, GREEDY, PROMPT_CONFIG)
+        found["different_request"] = "no error"
+    except PromptError as error:
+        found["different_request"] = str(error)
     return found
 
 

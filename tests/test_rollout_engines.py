@@ -114,6 +114,13 @@ def test_bad_requests_are_refused_before_generation(results, engine):
     assert (first["one_rank_refused"] == "no error") != shared_group
     if shared_group:
         assert first["one_rank_refused"] == second["one_rank_refused"] == expected
+    # Ranks of one data shard must bring the same request; ranks of different shards pool theirs.
+    same_shard = first["prompts"] == second["prompts"]
+    for found in (first, second):
+        if same_shard:
+            assert "rank 1 shares an engine and data shard" in found["different_request"]
+        else:
+            assert found["different_request"] == "no error"
 
 
 def test_resharded_weights_change_what_the_engines_generate(results):
