@@ -188,9 +188,9 @@ def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
     """What an RL job on a Mixture-of-Experts model cannot do yet. With experts split over
     ranks, every forward pass exchanges tokens among the EP ranks, so they must run the same
     number of them: generating on the actor (responses of different lengths) would leave one
-    waiting (token-budget micro-batches are evened out with fillers). vLLM splits
-    each expert over all its data x tensor-parallel ranks, not over one engine's TP ranks as the
-    weight sync plans it (seen as mismatched shapes at the first sync)."""
+    waiting (token-budget micro-batches are evened out with fillers). vLLM splits each expert
+    over all its data x tensor-parallel ranks, not over one engine's TP ranks as the weight
+    sync plans it (seen as mismatched shapes at the first sync)."""
     replay = config.rollout.routing_replay
     if not config.model.moe.enabled:
         return [f"rollout.routing_replay={replay} needs a Mixture-of-Experts model "

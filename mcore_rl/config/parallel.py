@@ -135,7 +135,7 @@ class ParallelConfig:
         if world_size % self.model_parallel_size == 0:
             errors += expert_data_parallel_errors(self.expert_model_parallel_size,
                                                   self.data_parallel_size(world_size))
-        if world_size % self.model_parallel_size:
+        else:
             errors.append(
                 f"{world_name or f'world size {world_size}'} must be divisible by "
                 f"tensor_model_parallel_size x "

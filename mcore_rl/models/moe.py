@@ -44,7 +44,7 @@ def moe_block_spec(config, use_transformer_engine: bool, pp_rank: int):
     from .attention import SdpaAttention
     from .norm import RMSNorm, with_local_norms
 
-    for layer in {id(layer): layer for layer in block.layer_specs}.values():
+    for layer in block.layer_specs:  # shared specs: a second pass changes nothing
         layer.submodules.self_attention.submodules.core_attention = SdpaAttention
         with_local_norms(layer)
         mlp = mlp_submodules(layer)

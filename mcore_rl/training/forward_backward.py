@@ -16,9 +16,10 @@ the model's device as the schedule asks for it, so only one micro-batch at a tim
 GPU, and outputs come back on the device of the batch that was passed in.
 
 Losses are global means by construction: a loss function returns a numerator and an
-integer-valued denominator per micro-batch (tensors: nothing read on the host); Megatron (`calculate_per_token_loss`) sums the denominators over
-micro-batches and data-parallel ranks and divides the summed gradients by that total. A
-token-mean, a sequence-mean or any other aggregation is exact whatever the layout.
+integer-valued denominator per micro-batch (tensors: nothing read on the host); Megatron
+(`calculate_per_token_loss`) sums the denominators over micro-batches and data-parallel ranks
+and divides the summed gradients by that total. A token-mean, a sequence-mean or any other
+aggregation is exact whatever the layout.
 """
 
 from __future__ import annotations
@@ -121,19 +122,21 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
                    max_tokens: int) -> tuple[list[Batch], torch.Tensor | None, int]:
     """Fixed-size micro-batches, or with a token budget (max_tokens > 0) length-sorted ones of
     varying shapes (then also the row order; see batches.token_budget_micro_batches), followed
-    by fillers (`_expert_group_fillers`); returns (micro-batches, order, fillers at the end)."""
+    by fillers (`_expert_group_fillers`); returns (micro-batches, order, how many are real:
+    the schedule's results past those are the fillers', to drop)."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
     config = get_model_config(chunks[0])
     config.variable_seq_lengths = max_tokens > 0
     if max_tokens <= 0:
-        return split_micro_batches(batch, micro_batch_size), None, 0
+        micro_batches = split_micro_batches(batch, micro_batch_size)
+        return micro_batches, None, len(micro_batches)
     length_multiple = parallel_state.get_tensor_model_parallel_world_size() \
         if config.sequence_parallel else 1
     micro_batches, order = token_budget_micro_batches(batch, max_tokens, length_multiple)
     fillers = _expert_group_fillers(micro_batches, length_multiple)
-    return micro_batches + fillers, order, len(fillers)
+    return micro_batches + fillers, order, len(micro_batches)
 
 
 def _expert_group_fillers(micro_batches: list[Batch], length: int) -> list[Batch]:
@@ -141,7 +144,7 @@ def _expert_group_fillers(micro_batches: list[Batch], length: int) -> list[Batch
     its ranks must run equally many; a token budget gives each as many micro-batches as its
     rows' lengths need. The ranks with fewer run fillers up to the group's most: one row of
     `length` tokens copied from a real one (valid tokens and routes), every mask zeroed, so no
-    loss, gradient or metric sees it. Their outputs are dropped (`_without_fillers`)."""
+    loss, gradient or metric sees it. Their outputs are dropped (`_micro_batches`)."""
     from megatron.core import parallel_state
 
     if parallel_state.get_expert_model_parallel_world_size() == 1:
@@ -157,12 +160,6 @@ def _expert_group_fillers(micro_batches: list[Batch], length: int) -> list[Batch
     filler = {name: torch.zeros_like(tensor) if name.endswith("mask") else tensor
               for name, tensor in row.items()}
     return [filler] * missing
-
-
-def _without_fillers(per_micro_batch: list, micro_batches: list[Batch], fillers: int) -> list:
-    """The schedule's per-micro-batch results (last stage; others have none) without the
-    fillers' at the end."""
-    return per_micro_batch[:len(micro_batches) - fillers]
 
 
 @dataclass
@@ -251,11 +248,10 @@ def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str
         chunk.eval()
     if routing is not None and routing.keep_routes:
         batch = dict(batch, row_ids=torch.arange(batch["input_ids"].shape[0]))
-    micro_batches, order, fillers = _micro_batches(chunks, batch, micro_batch_size, max_tokens)
+    micro_batches, order, real = _micro_batches(chunks, batch, micro_batch_size, max_tokens)
     pipeline = _pipeline(chunks[0], groups)
-    per_micro_batch = _without_fillers(
-        _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None, True,
-                      pipeline, routing), micro_batches, fillers)
+    per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None,
+                                    True, pipeline, routing)[:real]
     names = ("values",) if head == "scalar" else ("logprobs", "entropy")
     shape = tuple(batch["input_ids"].shape)
     results = {}
@@ -292,10 +288,10 @@ def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_
         chunk.train()
         chunk.zero_grad_buffer()
     model.optimizer.zero_grad()
-    micro_batches, _, fillers = _micro_batches(model.chunks, batch, micro_batch_size, max_tokens)
-    per_micro_batch = _without_fillers(
-        _run_schedule(model.chunks, micro_batches, head, vocab_size, temperature, loss_fn,
-                      False, _pipeline(model.chunks[0], None), routing), micro_batches, fillers)
+    micro_batches, _, real = _micro_batches(model.chunks, batch, micro_batch_size, max_tokens)
+    per_micro_batch = _run_schedule(model.chunks, micro_batches, head, vocab_size, temperature,
+                                    loss_fn, False, _pipeline(model.chunks[0], None),
+                                    routing)[:real]
     metrics = _reduce_metrics(per_micro_batch)
     finite = math.isfinite(metrics["loss"]) and _gradients_finite(model.chunks)
     updated, grad_norm = False, float("nan")
