@@ -5,7 +5,7 @@
     mcore-rl rm --config configs/quickstart/rm.yaml rm.epochs=2
     mcore-rl dpo --config configs/quickstart/dpo.yaml dpo.beta=0.2
     mcore-rl smoke --config configs/smoke.yaml parallel.tensor_model_parallel_size=2
-    mcore-rl convert hf-to-mcore --hf PATH --out DIR --tp N --pp M [--ep E]
+    mcore-rl convert hf-to-mcore --hf PATH --out DIR --tp N --pp M [--ep E] [--etp T]
     mcore-rl convert mcore-to-hf --ckpt DIR --out PATH
     mcore-rl plan --model configs/models/llama3-70b.yaml --train-tp 8 --train-pp 4 \
         --rollout-tp 8 --gpus 64,256,1024
@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--ep", type=int, default=1,
                           help="target expert-parallel size (MoE): with tp x pp x ep processes, "
                           "each reads only its experts")
+    to_mcore.add_argument("--etp", type=int, default=None,
+                          help="target expert tensor-parallel size (MoE; default: --tp): each "
+                          "process reads only its slice of its experts")
     to_hf = directions.add_parser("mcore-to-hf", help="mcore_rl checkpoint -> HF folder")
     to_hf.add_argument("--ckpt", required=True, help="mcore_rl checkpoint directory")
     to_hf.add_argument("--out", required=True, help="HF folder to create")
@@ -78,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--train-pp", type=int, default=1, help="training pipeline-parallel size")
     plan.add_argument("--train-ep", type=int, default=1,
                       help="training expert-parallel size (MoE models; divides the DP size)")
+    plan.add_argument("--train-etp", type=int, default=None,
+                      help="training expert tensor-parallel size (MoE models; default: "
+                      "--train-tp)")
     plan.add_argument("--rollout-tp", type=int, required=True, help="rollout tensor-parallel size")
     plan.add_argument("--gpus", required=True,
                       help="world size, or comma-separated world sizes for a table")
@@ -136,7 +142,8 @@ def _plan(args) -> None:
         dp = gpus // (args.train_tp * args.train_pp)
         production = production_estimate(model, args.train_tp, args.train_pp, dp, args.engine,
                                          args.rollout_tp, DTYPES[args.dtype], links,
-                                         int(args.bucket_mb * 1024 ** 2), args.train_ep)
+                                         int(args.bucket_mb * 1024 ** 2), args.train_ep,
+                                         args.train_etp)
         print(table_row(production), flush=True)
 
 
@@ -148,7 +155,7 @@ def _convert(args) -> None:
     start_process_group()
     start = time.perf_counter()
     if args.direction == "hf-to-mcore":
-        convert_hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep)
+        convert_hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep, args.etp)
     else:
         convert_mcore_to_hf(args.ckpt, args.out, args.architecture,
                             int(args.max_file_gb * 1024 ** 3))

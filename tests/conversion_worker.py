@@ -40,14 +40,14 @@ def megatron_logits(module, ids: torch.Tensor, vocab_size: int) -> torch.Tensor 
     return next(item for item in gathered if item is not None)
 
 
-def _set_layout(tp: int, pp: int, ep: int = 1) -> None:
+def _set_layout(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
 
 
@@ -97,27 +97,27 @@ def run_parity(jobs: list, layouts: list, ids: torch.Tensor, out_path: str) -> N
 
 def run_expert_parity(checkpoints: dict, layouts: list, ids: torch.Tensor, saved_root: str,
                       out_path: str) -> None:
-    """checkpoints: {case: converted checkpoint}; layouts: [(tp, pp, ep)]. At the first layout
-    each case is loaded and saved again (weights checkpoint at that EP); every layout then
-    loads both and records their logits as (case, source, tp, pp, ep) on rank 0, source
-    "converted" or "resaved"."""
+    """checkpoints: {case: converted checkpoint}; layouts: [(tp, pp, ep, etp)]. At the first
+    layout each case is loaded and saved again (weights checkpoint at that EP and ETP); every
+    layout then loads both and records their logits as (case, source, tp, pp, ep, etp) on rank
+    0, source "converted" or "resaved"."""
     from mcore_rl.checkpoint.weights_io import megatron_coordinates, save_weights
     from mcore_rl.models import local_state
     from mcore_rl.runtime import start_process_group
 
     start_process_group(timeout_minutes=3)
     results = {}
-    for index, (tp, pp, ep) in enumerate(layouts):
-        _set_layout(tp, pp, ep)
+    for index, (tp, pp, ep, etp) in enumerate(layouts):
+        _set_layout(tp, pp, ep, etp)
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                  expert_model_parallel_size=ep)
+                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         for case, checkpoint in checkpoints.items():
             model = read_metadata(checkpoint)["model"]
             resaved = f"{saved_root}/{case}"
             for source, path in (("converted", checkpoint), ("resaved", resaved)):
                 module = build_gpt_model(model, parallel, "fp32").eval()
                 assert load_initial_weights(module, InitConfig(checkpoint=path), model)
-                results[(case, source, tp, pp, ep)] = megatron_logits(module, ids,
+                results[(case, source, tp, pp, ep, etp)] = megatron_logits(module, ids,
                                                                       model.vocab_size)
                 if index == 0 and source == "converted":
                     save_weights(resaved, local_state(module), model, megatron_coordinates())

@@ -104,32 +104,34 @@ def routing_checks(chunks: list, local: dict, model: ModelConfig) -> dict:
 def _merged_weights(module, model: ModelConfig, parallel: ParallelConfig, head: str,
                     state_of=local_parameters):
     """The full updated weights, merged from every rank's shards (None off rank 0): each
-    canonical tensor from its TP shards (every (pp, ep) rank holding it agrees). state_of:
-    the stage's local tensors by canonical local name."""
+    canonical tensor from its TP shards, an expert's from its expert-TP shards (every (pp, ep)
+    rank holding it agrees). state_of: the stage's local tensors by canonical local name."""
     from mcore_rl.checkpoint import megatron_coordinates
 
     coordinates = megatron_coordinates()
     names = coordinates.stage_params(model, head)
-    state = {names[local]: tensor.detach().cpu().clone()
+    state = {names[local]: (coordinates.split_of(names[local]), tensor.detach().cpu().clone())
              for local, tensor in state_of(module).items()}
     everything = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, (coordinates.tp_rank, state))
+    dist.all_gather_object(everything, state)
     if dist.get_rank() != 0:
         return None
-    tp = parallel.tensor_model_parallel_size
-    shards = {}  # canonical name -> {tp rank: shard}; replicas hold identical weights
-    for tp_rank, rank_state in everything:
-        for name, tensor in rank_state.items():
-            shards.setdefault(name, {})[tp_rank] = tensor
-    return {name: sharding.merge_from_tp(name, [shards[name][r] for r in range(tp)], model, tp)
+    shards, sizes = {}, {}  # canonical name -> {split rank: shard}; replicas are identical
+    for rank_state in everything:
+        for name, ((size, split_rank), tensor) in rank_state.items():
+            shards.setdefault(name, {})[split_rank], sizes[name] = tensor, size
+    return {name: sharding.merge_from_tp(name, [shards[name][r] for r in range(sizes[name])],
+                                         model, sizes[name])
             for name in sharding.canonical_param_shapes(model, head)}
 
 
 def run_layout(model: ModelConfig, tp: int, pp: int, out_path: str,
                use_distributed_optimizer: bool = True, ep: int = 1,
-               dispatcher: str = "alltoall", sequence_parallel: bool = False) -> None:
+               dispatcher: str = "alltoall", sequence_parallel: bool = False,
+               etp: int | None = None) -> None:
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              expert_model_parallel_size=ep, moe_token_dispatcher=dispatcher,
+                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                              moe_token_dispatcher=dispatcher,
                               sequence_parallel=sequence_parallel)
     # adam_eps well above gradient round-off keeps Adam's first step (~lr * sign(g)) continuous
     # in g, so layouts that differ by float summation order stay within the tolerance.
@@ -157,6 +159,18 @@ def run_layout(model: ModelConfig, tp: int, pp: int, out_path: str,
         result[head]["metrics"] = train_step(trainable, local, MICRO_BATCH, loss, head,
                                              model.vocab_size)
         result[head]["weights"] = _merged_weights(module, model, parallel, head)
+    result["expert_grid"] = _expert_grid()
     if dist.get_rank() == 0:
         torch.save(result, out_path)
     shutdown()
+
+
+def _expert_grid() -> list[tuple[int, int, int]]:
+    """Every rank's (TP rank, EP rank, expert-TP size) in Megatron's live parallel state."""
+    from megatron.core import parallel_state as ps
+
+    grid = [None] * dist.get_world_size()
+    dist.all_gather_object(grid, (ps.get_tensor_model_parallel_rank(),
+                                  ps.get_expert_model_parallel_rank(),
+                                  ps.get_expert_tensor_parallel_world_size()))
+    return grid

@@ -77,14 +77,16 @@ def test_megatron_logits_equal_transformers(converted, parity, case, layout):
 
 
 MOE_CASES = ["qwen3_moe", "qwen2_moe", "mixtral"]
-EXPERT_LAYOUTS = [(1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 1, 4), (1, 1, 1)]  # (tp, pp, ep)
+EXPERT_LAYOUTS = [(2, 1, 2, 1), (2, 1, 2, 2), (1, 2, 2, 1), (1, 1, 4, 1),
+                  (1, 1, 1, 1)]  # (tp, pp, ep, etp)
 
 
 @pytest.fixture(scope="module")
 def expert_parity(converted, tmp_path_factory):
     """Megatron logits of the MoE cases with experts split over EP ranks: the converted
-    checkpoints, and the same weights saved again from the EP2 model and loaded at every
-    layout (EP1, EP2, EP4, with TP2 and PP2)."""
+    checkpoints, and the same weights saved again from the TP2 x EP2 x ETP1 model (the expert
+    grid across the TP groups) and loaded at every layout (EP1, EP2, EP4, with TP2 at ETP1 and
+    ETP2, and PP2)."""
     from conversion_worker import run_expert_parity
 
     ids, _ = reference_batch()
@@ -97,7 +99,8 @@ def expert_parity(converted, tmp_path_factory):
 @pytest.mark.parametrize("case", MOE_CASES)
 def test_experts_split_over_ranks_give_transformers_logits(converted, expert_parity, case):
     """Expert parallelism (each EP rank holds E/EP experts, tokens exchanged all-to-all) gives
-    transformers' logits, and a checkpoint saved at EP2 loads at EP1, EP2 and EP4."""
+    transformers' logits, at expert TP 1 and 2 beside TP2, and a checkpoint saved at EP2 x ETP1
+    loads at EP1, EP2 (ETP2) and EP4."""
     ids, mask = reference_batch()
     want = hf_logits(converted[case][2], ids, mask)
     valid = mask.bool()
@@ -150,13 +153,14 @@ def _convert_experts_split(hf_dir, ckpt, back):
     from mcore_rl.runtime import start_process_group
 
     start_process_group(timeout_minutes=3)
-    convert_hf_to_mcore(hf_dir, ckpt, tp=2, pp=1, ep=2)
+    convert_hf_to_mcore(hf_dir, ckpt, tp=2, pp=1, ep=2, etp=1)
     convert_mcore_to_hf(ckpt, back, max_file_bytes=20_000)
 
 
 def test_conversion_with_experts_split_over_ranks(converted, tmp_path):
-    """`convert hf-to-mcore --tp 2 --ep 2` on 4 ranks (each reading its TP half of 2 of the 4
-    experts) and back: bit-identical to the HF folder."""
+    """`convert hf-to-mcore --tp 2 --ep 2 --etp 1` on 4 ranks (each reading its TP half of the
+    dense tensors and 2 of the 4 experts whole; the two ranks of a TP group hold different
+    experts, the other TP group copies of them) and back: bit-identical to the HF folder."""
     hf_dir = converted["qwen2_moe"][0]
     ckpt, back = str(tmp_path / "mcore"), str(tmp_path / "hf")
     run_world(4, _convert_experts_split, hf_dir, ckpt, back)

@@ -32,12 +32,13 @@ _cache = {}
 
 
 def layout_result(tmp_path_factory, model, tp, pp, world, use_distributed_optimizer=True, ep=1,
-                  dispatcher="alltoall", sequence_parallel=False):
-    key = (model, tp, pp, world, use_distributed_optimizer, ep, dispatcher, sequence_parallel)
+                  dispatcher="alltoall", sequence_parallel=False, etp=None):
+    key = (model, tp, pp, world, use_distributed_optimizer, ep, dispatcher, sequence_parallel,
+           etp)
     if key not in _cache:
         path = tmp_path_factory.mktemp("layout") / "result.pt"
         run_world(world, run_layout, model, tp, pp, str(path), use_distributed_optimizer, ep,
-                  dispatcher, sequence_parallel)
+                  dispatcher, sequence_parallel, etp)
         _cache[key] = torch.load(path, weights_only=False)
     return _cache[key]
 
@@ -106,25 +107,33 @@ MOE = dataclasses.replace(MODEL, moe=MoEConfig(
 shared expert."""
 
 
-@pytest.mark.parametrize("tp, pp, ep, world, dispatcher",
-                         [(1, 1, 2, 2, "alltoall"), (1, 2, 2, 4, "alltoall"),
-                          (1, 1, 2, 2, "allgather"), (2, 1, 1, 2, "alltoall")],
-                         ids=["EP2", "PP2EP2", "EP2-allgather", "TP2-SP"])
+@pytest.mark.parametrize("tp, pp, ep, world, dispatcher, etp",
+                         [(1, 1, 2, 2, "alltoall", None), (1, 2, 2, 4, "alltoall", None),
+                          (1, 1, 2, 2, "allgather", None), (2, 1, 1, 2, "alltoall", None),
+                          (2, 1, 2, 4, "alltoall", 1)],
+                         ids=["EP2", "PP2EP2", "EP2-allgather", "TP2-SP", "TP2xEP2xETP1-SP"])
 def test_experts_split_over_ranks_train_like_one_rank(tmp_path_factory, tp, pp, ep, world,
-                                                      dispatcher):
+                                                      dispatcher, etp):
     """One Adam step of the MoE model with its experts split over EP ranks (tokens exchanged
     all-to-all, or all-gathered, expert gradients reduced over the expert data-parallel ranks),
     or over TP ranks (Megatron's MoE layer needs sequence parallelism there: models/norm.py),
-    equals the step on one rank."""
+    equals the step on one rank. At TP2 x EP2 x ETP1 the expert grid cuts across the TP
+    groups: the two ranks of a TP group hold different whole experts (runtime/layout.py)."""
     reference = layout_result(tmp_path_factory, MOE, 1, 1, 1)
-    assert_same(layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep,
-                              dispatcher=dispatcher, sequence_parallel=tp > 1), reference)
+    result = layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep, dispatcher=dispatcher,
+                           sequence_parallel=tp > 1, etp=etp)
+    if etp is not None:  # the experts really are laid out at ETP1: ranks 0, 1 are one TP group
+        assert [(tp_rank, ep_rank) for tp_rank, ep_rank, _ in result["expert_grid"][:2]] \
+            == [(0, 0), (1, 1)]
+        assert {size for _, _, size in result["expert_grid"]} == {etp}
+    assert_same(result, reference)
 
 
-@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 1, 1), (1, 1, 2, 2), (1, 2, 2, 4),
-                                               (2, 1, 1, 2)],
-                         ids=["one-rank", "EP2", "PP2EP2", "TP2-SP"])
-def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world):
+@pytest.mark.parametrize("tp, pp, ep, world, etp",
+                         [(1, 1, 1, 1, None), (1, 1, 2, 2, None), (1, 2, 2, 4, None),
+                          (2, 1, 1, 2, None), (2, 1, 2, 4, 1)],
+                         ids=["one-rank", "EP2", "PP2EP2", "TP2-SP", "TP2xEP2xETP1-SP"])
+def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world, etp):
     """Routing replay (models/moe_routing.py, Megatron's RouterReplay) in the worlds above:
     replaying the routes the routers took reproduces the log-probs; replaying every route moved
     to the next expert is followed by every router (observed, not assumed), changes the
@@ -132,7 +141,7 @@ def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world):
     choices against the given routes); the MoE metrics are the same in every layout."""
     one_rank = layout_result(tmp_path_factory, MOE, 1, 1, 1)["routing"]
     routing = layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep,
-                            sequence_parallel=tp > 1)["routing"]
+                            sequence_parallel=tp > 1, etp=etp)["routing"]
     natural = routing["natural"]["logprobs"]
     assert (routing["replayed"]["logprobs"] - natural).abs().max() <= 1e-6
     moved_change = (routing["moved"]["logprobs"] - natural).abs().max().item()

@@ -46,10 +46,10 @@ def training_shards(full_state, layout: TrainingLayout) -> dict[int, dict[str, t
     """Every rank's local training state, cut by the trainer's sharding rules."""
     shards = {}
     for rank in range(layout.world_size):
-        tp_rank, pp_rank, ep_rank = layout.holding(rank)
+        tp_rank, pp_rank, ep_rank, etp_rank = layout.holding(rank)
         shards[rank] = sharding.shard_full_state(full_state, layout.model, layout.tp,
                                                  layout.pp, tp_rank, pp_rank, "lm", layout.ep,
-                                                 ep_rank)
+                                                 ep_rank, (layout.grid.expert_tp, etp_rank))
     return shards
 
 
@@ -213,13 +213,16 @@ def test_bad_rollout_layouts_are_refused_before_planning(engine, tp, message):
 MOE_MODEL = dataclasses.replace(MODEL, moe=MoEConfig(
     num_experts=4, ffn_hidden_size=32, dense_layers=(0,), shared_expert_ffn_hidden_size=48,
     shared_expert_gate=True))
-# (training tp, pp, dp, rank order, ep) -> vLLM rollout tp
+# (training tp, pp, dp, rank order, ep[, etp]) -> vLLM rollout tp. At ETP1 x TP2 the expert
+# grid cuts across the TP groups: ranks of one TP group hold different experts.
 MOE_PAIRS = [((1, 1, 4, DEFAULT_ORDER, 2), 2), ((2, 1, 2, DEFAULT_ORDER, 2), 4),
-             ((1, 2, 4, DEFAULT_ORDER, 4), 2), ((2, 2, 2, ("pp", "tp", "dp"), 2), 8)]
+             ((1, 2, 4, DEFAULT_ORDER, 4), 2), ((2, 2, 2, ("pp", "tp", "dp"), 2), 8),
+             ((2, 1, 2, DEFAULT_ORDER, 2, 1), 4), ((2, 1, 1, DEFAULT_ORDER, 2, 1), 2)]
 
 
 @pytest.mark.parametrize("training_dims,rollout_tp", MOE_PAIRS,
-                         ids=[f"tp{t}pp{p}dp{d}ep{e}-vllm{r}" for (t, p, d, _, e), r in MOE_PAIRS])
+                         ids=[f"tp{t}pp{p}dp{d}ep{e}etp{(*etp, t)[0]}-vllm{r}"
+                              for (t, p, d, _, e, *etp), r in MOE_PAIRS])
 def test_moe_plan_fills_vllm_expert_slots_with_only_missing_rows(training_dims, rollout_tp):
     layout = TrainingLayout(MOE_MODEL, *training_dims)
     rollout = make_rollout_layout(layout, "vllm", rollout_tp)
@@ -301,12 +304,13 @@ def test_split_rollout_ranks_must_fit_the_rollout_tp():
 # vocab/TP rows of the all-gather, not its unpadded share.
 EP_BASELINE_MODEL = dataclasses.replace(MOE_MODEL, vocab_size=1024)
 EP_BASELINE_LAYOUTS = [(1, 1, 4, DEFAULT_ORDER, 2), (2, 2, 2, DEFAULT_ORDER, 2),
-                       (1, 2, 4, ("pp", "tp", "dp"), 4), (2, 2, 2, DEFAULT_ORDER, 1)]
+                       (1, 2, 4, ("pp", "tp", "dp"), 4), (2, 2, 2, DEFAULT_ORDER, 1),
+                       (2, 1, 2, DEFAULT_ORDER, 2, 1)]
 
 
 @pytest.mark.parametrize("training_dims", EP_BASELINE_LAYOUTS,
-                         ids=[f"tp{t}pp{p}dp{d}-{'-'.join(o)}-ep{e}"
-                              for t, p, d, o, e in EP_BASELINE_LAYOUTS])
+                         ids=[f"tp{t}pp{p}dp{d}-{'-'.join(o)}-ep{e}-etp{(*etp, t)[0]}"
+                              for t, p, d, o, e, *etp in EP_BASELINE_LAYOUTS])
 def test_full_gather_baseline_receives_the_model_less_the_training_shard(training_dims):
     layout = TrainingLayout(EP_BASELINE_MODEL, *training_dims)
     full = reference_full_state(EP_BASELINE_MODEL)

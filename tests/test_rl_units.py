@@ -250,10 +250,9 @@ def test_rl_config_rules_name_the_fields():
                                           "where ranks with experts split"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=megatron",
                                        "parallel.expert_model_parallel_size=2"]), 2)
-    with pytest.raises(ConfigError, match=r"parallel.expert_tensor_parallel_size=1: only the "
-                                          r"tensor-parallel size \(2\) or unset"):
-        validate_rl(load_config(None, ["parallel.tensor_model_parallel_size=2",
-                                       "parallel.expert_tensor_parallel_size=1"]), 2)
+    with pytest.raises(ConfigError, match=r"parallel.expert_tensor_parallel_size=0 must be "
+                                          r">= 1 or unset"):
+        validate_rl(load_config(None, ["parallel.expert_tensor_parallel_size=0"]), 1)
     with pytest.raises(ConfigError, match="parallel.moe_token_dispatcher='flex' must be one of"):
         validate_rl(load_config(None, ["parallel.moe_token_dispatcher=flex"]), 1)
     with pytest.raises(ConfigError, match="actor.max_tokens_per_micro_batch .micro-batches of "
@@ -276,8 +275,9 @@ def test_rl_config_rules_name_the_fields():
                                           "Mixture-of-Experts model's experts over all"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=vllm",
                                        "rollout.rollout_tp=1"]), 2)
-    with pytest.raises(ConfigError, match="expert_model_parallel_size=2 must divide the "
-                                          "data-parallel size 1"):
+    with pytest.raises(ConfigError, match="expert_model_parallel_size=2 x "
+                                          "expert_tensor_parallel_size=1 must divide the 1 "
+                                          "ranks of a pipeline stage"):
         validate_rl(load_config(None, ["model.moe.num_experts=4",
                                        "parallel.expert_model_parallel_size=2"]), 1)
     with pytest.raises(ConfigError, match=r"model.moe.router_topk=5 must be in \[1, "

@@ -8,6 +8,9 @@ need a model to describe them. Here every parameter is stored under its canonica
 rounded up to `make_vocab_size_divisible_by` rows, which no TP size changes. Each rank describes
 its own slice, so the same function serves a trained model, a converter and a loader:
 
+An expert's matrices are cut by the expert tensor-parallel split (ETP size and rank) instead of
+TP's, so a checkpoint written at one ETP loads at another like one written at another TP.
+
 - column-parallel and fused QKV: chunk `tp_rank` of `tp` along rows;
 - row-parallel: chunk `tp_rank` of `tp` along columns;
 - fused gate/up: two pieces, rows `tp_rank` and `tp + tp_rank` of `2 * tp` chunks;
@@ -105,8 +108,8 @@ def sharded_state_dict(local_shards: dict, model: ModelConfig, coordinates,
         is_copy = int(tied_copy and local == sharding.OUTPUT_LAYER)
         copy = (coordinates.expert_dp_rank if sharding.expert_of(canonical) is not None
                 else coordinates.dp_rank)
-        pieces = sharded_pieces(canonical, local_shards[local], model, coordinates.tp_size,
-                                coordinates.tp_rank, (is_copy, copy))
+        pieces = sharded_pieces(canonical, local_shards[local], model,
+                                *coordinates.split_of(canonical), (is_copy, copy))
         for index, piece in enumerate(pieces):
             items[f"{local}#{index}"] = piece
     return items

@@ -42,6 +42,15 @@ class RankCoordinates:
     ep_rank: int = 0
     expert_dp_rank: int = 0
     """Rank among the copies of this rank's experts (Megatron's expert data-parallel rank)."""
+    etp_size: int | None = None
+    """Expert tensor-parallel size (None: tp_size, with this rank's tp_rank)."""
+    etp_rank: int = 0
+
+    def split_of(self, name: str) -> tuple[int, int]:
+        """(size, rank) of the tensor-parallel split canonical parameter ``name`` is cut by on
+        this rank (`sharding.tensor_split`)."""
+        etp = None if self.etp_size is None else (self.etp_size, self.etp_rank)
+        return sharding.tensor_split(name, (self.tp_size, self.tp_rank), etp)
 
     def stage_params(self, model: ModelConfig, head: str = "lm") -> dict[str, str]:
         """`sharding.stage_params` of this rank: local names -> canonical names."""
@@ -50,20 +59,19 @@ class RankCoordinates:
 
 
 def megatron_coordinates() -> RankCoordinates:
-    """This rank's coordinates in Megatron's current parallel state. Experts are split across
-    TP ranks as the dense layers are (expert TP = TP, with the same rank)."""
+    """This rank's coordinates in Megatron's current parallel state (its dense and its expert
+    grid)."""
     from megatron.core import parallel_state as ps
 
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    if ps.get_expert_tensor_parallel_rank() != tp_rank:
-        raise ValueError(f"expert tensor-parallel rank {ps.get_expert_tensor_parallel_rank()} "
-                         f"differs from tensor-parallel rank {tp_rank}: unsupported layout")
     return RankCoordinates(ps.get_tensor_model_parallel_world_size(),
-                           ps.get_pipeline_model_parallel_world_size(), tp_rank,
+                           ps.get_pipeline_model_parallel_world_size(),
+                           ps.get_tensor_model_parallel_rank(),
                            ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
                            ps.get_expert_model_parallel_world_size(),
                            ps.get_expert_model_parallel_rank(),
-                           ps.get_expert_data_parallel_rank())
+                           ps.get_expert_data_parallel_rank(),
+                           ps.get_expert_tensor_parallel_world_size(),
+                           ps.get_expert_tensor_parallel_rank())
 
 
 def is_checkpoint(path: str) -> bool:
@@ -133,13 +141,23 @@ def save_weights(path: str, local_shards: dict, model: ModelConfig, coordinates:
                 shutil.copy2(file, os.path.join(staging, "tokenizer"))
         metadata = dict(extra_metadata or {}, format_version=FORMAT_VERSION, head=head,
                         model=dataclasses.asdict(model),
-                        saved_layout={"tp": coordinates.tp_size, "pp": coordinates.pp_size})
+                        saved_layout=_saved_layout(coordinates))
         with open(os.path.join(staging, METADATA_FILE), "w") as handle:
             json.dump(metadata, handle, indent=2)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(staging, final)
     _barrier()
+
+
+def _saved_layout(coordinates: RankCoordinates) -> dict:
+    """The layout that wrote a checkpoint (informative: it loads at any layout)."""
+    layout = {"tp": coordinates.tp_size, "pp": coordinates.pp_size}
+    if coordinates.ep_size > 1:
+        layout["ep"] = coordinates.ep_size
+    if coordinates.etp_size not in (None, coordinates.tp_size):
+        layout["etp"] = coordinates.etp_size
+    return layout
 
 
 def _check_same_model(path: str, stored: ModelConfig, model: ModelConfig) -> None:

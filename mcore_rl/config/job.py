@@ -123,7 +123,8 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
                              if training_world != world_size else "")
     errors += config.model.check(parallel.tensor_model_parallel_size,
                                  parallel.pipeline_model_parallel_size,
-                                 parallel.expert_model_parallel_size)
+                                 parallel.expert_model_parallel_size,
+                                 parallel.expert_tensor_parallel)
     errors += config.optimizer.check("optimizer")
     errors += config.runtime.check()
     if not errors:

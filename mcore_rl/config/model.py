@@ -94,8 +94,11 @@ class MoEConfig:
         """The experts' FFN width, with None resolved."""
         return self.ffn_hidden_size or model_ffn_hidden_size
 
-    def errors(self, num_layers: int, tensor_parallel: int) -> list[str]:
-        """Broken rules, each naming its field (empty when valid or dense)."""
+    def errors(self, num_layers: int, tensor_parallel: int,
+               expert_tensor_parallel: int | None = None) -> list[str]:
+        """Broken rules, each naming its field (empty when valid or dense). The experts' width
+        is split over the expert tensor-parallel ranks (None: TP), the shared expert's over
+        TP."""
         if not self.enabled:
             return [] if self.num_experts == 0 else [
                 f"model.moe.num_experts={self.num_experts} must be >= 0"]
@@ -110,11 +113,14 @@ class MoEConfig:
         if outside:
             errors.append(f"model.moe.dense_layers={list(self.dense_layers)} names layers outside "
                           f"[0, model.num_layers={num_layers})")
-        for name in ("ffn_hidden_size", "shared_expert_ffn_hidden_size"):
+        splits = (("ffn_hidden_size", "expert_tensor_parallel_size",
+                   expert_tensor_parallel or tensor_parallel),
+                  ("shared_expert_ffn_hidden_size", "tensor_model_parallel_size", tensor_parallel))
+        for name, split_name, split in splits:
             width = getattr(self, name) or 0
-            if width < 0 or width % tensor_parallel:
+            if width < 0 or width % split:
                 errors.append(f"model.moe.{name}={width} must be >= 0 and divisible by "
-                              f"tensor_model_parallel_size={tensor_parallel}")
+                              f"{split_name}={split}")
         if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
             errors.append("model.moe.shared_expert_gate=true needs "
                           "model.moe.shared_expert_ffn_hidden_size > 0")
@@ -214,9 +220,10 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def check(self, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-              expert_parallel: int = 1) -> list[str]:
-        """Rules this architecture must meet, alone and at a given layout; returns the broken
-        ones as messages naming the field (an empty list means valid)."""
+              expert_parallel: int = 1, expert_tensor_parallel: int | None = None) -> list[str]:
+        """Rules this architecture must meet, alone and at a given layout (expert TP None: the
+        TP size); returns the broken ones as messages naming the field (an empty list means
+        valid)."""
         errors = []
         positive = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings")
@@ -251,7 +258,7 @@ class ModelConfig:
             errors.append(str(error))
         if self.kv_channels % 2:
             errors.append(f"head_dim={self.kv_channels} must be even for rotary embeddings")
-        return (errors + self.moe.errors(self.num_layers, tensor_parallel)
+        return (errors + self.moe.errors(self.num_layers, tensor_parallel, expert_tensor_parallel)
                 + self.moe.expert_parallel_errors(expert_parallel))
 
 

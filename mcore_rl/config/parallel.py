@@ -41,12 +41,23 @@ def pipeline_stage_layers(num_layers: int, pipeline_parallel: int) -> tuple[int,
     return (ends - ends // 2, *(per_middle,) * middle_stages, ends // 2)
 
 
-def expert_data_parallel_errors(expert_parallel: int, data_parallel: int) -> list[str]:
-    """Megatron's expert ranks are data-parallel ranks: EP must divide the data-parallel size
-    (the one place this rule is written; the planner's layouts ask here too)."""
-    if data_parallel % expert_parallel:
-        return [f"parallel.expert_model_parallel_size={expert_parallel} must divide the "
-                f"data-parallel size {data_parallel}"]
+def with_expert_dimension(order: str) -> str:
+    """Megatron's order string with "ep" just before "dp": the EP ranks of an expert group are
+    then consecutive among the ranks of a stage's expert grid (Megatron's own default,
+    tp-cp-ep-dp-pp, places it there too)."""
+    return order if "ep" in order.split("-") else order.replace("dp", "ep-dp")
+
+
+def expert_grid_errors(expert_parallel: int, expert_tensor_parallel: int,
+                       stage_ranks: int) -> list[str]:
+    """Megatron lays the experts over the ranks of each pipeline stage as a second grid,
+    expert TP x EP x expert DP: EP x ETP must divide those ranks (at ETP = TP, "EP divides the
+    data-parallel size"). The one place this rule is written; the planner's layouts and the
+    converters ask here too."""
+    if stage_ranks % (expert_parallel * expert_tensor_parallel):
+        return [f"parallel.expert_model_parallel_size={expert_parallel} x "
+                f"expert_tensor_parallel_size={expert_tensor_parallel} must divide the "
+                f"{stage_ranks} ranks of a pipeline stage (tensor x context x data parallel)"]
     return []
 
 
@@ -67,11 +78,14 @@ class ParallelConfig:
 
     expert_model_parallel_size: int = 1
     """Ranks that split MoE experts (Megatron EP): each holds model.moe.num_experts / EP of them,
-    and tokens travel to their experts all-to-all. Must divide the data-parallel size."""
+    and tokens travel to their experts all-to-all. At ETP = TP it must divide the data-parallel
+    size."""
 
     expert_tensor_parallel_size: Optional[int] = None
-    """Ranks that split each expert's matrices (Megatron ETP). None: the TP size, the only value
-    supported yet (experts are split over the TP ranks like the dense MLP)."""
+    """Ranks that split each expert's matrices (Megatron ETP). None: the TP size (experts split
+    like the dense MLP). Another value lays the experts over a grid of their own, ETP x EP x
+    expert DP over each stage's ranks (Qwen3-30B-A3B recipes: attention TP4, experts ETP1 x
+    EP8); EP x ETP must divide TP x CP x DP."""
 
     moe_token_dispatcher: str = "alltoall"
     """How MoE tokens reach experts held by other EP ranks (Megatron's token dispatcher):
@@ -93,6 +107,11 @@ class ParallelConfig:
         return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
                 * self.context_parallel_size)
 
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """The expert tensor-parallel size in effect (the TP size when unset)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
     def data_parallel_size(self, world_size: int) -> int:
         """Model replicas in a world of this size."""
         return world_size // self.model_parallel_size
@@ -103,7 +122,7 @@ class ParallelConfig:
         expert group are then consecutive among the data-parallel ranks (Megatron's own
         default, tp-cp-ep-dp-pp, places it there too)."""
         order = MEGATRON_DEFAULT_ORDER if self.rank_order == AUTO_ORDER else self.rank_order
-        return order.replace("dp", "ep-dp") if self.expert_model_parallel_size > 1 else order
+        return with_expert_dimension(order) if self.expert_model_parallel_size > 1 else order
 
     def check(self, world_size: int, world_name: str = "") -> list[str]:
         """Broken layout rules as messages naming the field (empty when valid). world_name:
@@ -123,18 +142,18 @@ class ParallelConfig:
             errors.append(f"parallel.rank_order={self.rank_order!r} must be auto or one of "
                           f"{', '.join(orders)}")
         etp = self.expert_tensor_parallel_size
-        if etp is not None and etp != self.tensor_model_parallel_size:
-            errors.append(f"parallel.expert_tensor_parallel_size={etp}: only the "
-                          f"tensor-parallel size ({self.tensor_model_parallel_size}) or unset "
-                          "is supported yet")
+        if etp is not None and etp < 1:
+            errors.append(f"parallel.expert_tensor_parallel_size={etp} must be >= 1 or unset")
+            return errors
         if self.moe_token_dispatcher not in MOE_TOKEN_DISPATCHERS:
             errors.append(f"parallel.moe_token_dispatcher={self.moe_token_dispatcher!r} must be "
                           f"one of {MOE_TOKEN_DISPATCHERS}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             errors.append("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
         if world_size % self.model_parallel_size == 0:
-            errors += expert_data_parallel_errors(self.expert_model_parallel_size,
-                                                  self.data_parallel_size(world_size))
+            errors += expert_grid_errors(self.expert_model_parallel_size,
+                                         self.expert_tensor_parallel,
+                                         world_size // self.pipeline_model_parallel_size)
         else:
             errors.append(
                 f"{world_name or f'world size {world_size}'} must be divisible by "

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.weights_io import RankCoordinates, save_weights
+from ..runtime.layout import ParallelLayout
 from ..config import ModelConfig
 from ..param_layout import sharding
 from ..runtime.progress import progress
@@ -64,8 +65,7 @@ def local_shards_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConfi
     for local, canonical in progress(params.items(), total=len(params), desc="hf->mcore",
                                      unit="tensor"):
         full = canonical_from_hf(hf, arch, model, canonical)
-        shard = sharding.split_for_tp(canonical, full, model, coordinates.tp_size,
-                                      coordinates.tp_rank)
+        shard = sharding.split_for_tp(canonical, full, model, *coordinates.split_of(canonical))
         shards[local] = shard.clone()
         del full
     return shards
@@ -93,10 +93,10 @@ def tokenizer_files(hf: HFCheckpoint, arch: Architecture) -> tuple[str, ...]:
 
 
 def convert_hf_to_mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1,
-                        ep: int = 1) -> ModelConfig:
+                        ep: int = 1, etp: int | None = None) -> ModelConfig:
     """Collective over the current world: 1 process, or exactly tp x pp x ep processes, each
-    reading only the tensors of one target rank (with ep > 1, only its EP rank's experts). The
-    checkpoint loads at any layout either way."""
+    reading only the tensors of one target rank (with ep > 1, only its EP rank's experts, cut
+    at expert TP etp; None: tp). The checkpoint loads at any layout either way."""
     world = dist.get_world_size()
     if world not in (1, tp * pp * ep):
         raise ValueError(f"run hf-to-mcore with 1 process or tp x pp x ep = {tp * pp * ep} "
@@ -104,24 +104,31 @@ def convert_hf_to_mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1,
     if os.path.exists(out_dir):
         raise FileExistsError(f"output {out_dir} already exists; refusing to overwrite it")
     hf, arch, model = open_hf(hf_path)
-    errors = model.check(tp, pp, ep)
+    layout = ParallelLayout(tp, pp, dp=ep, ep=ep, etp=etp, order=CONVERSION_ORDER)
+    errors = model.check(tp, pp, ep, etp) + layout.errors()
     if errors:
-        raise ValueError(f"{hf_path} cannot be laid out at tp={tp}, pp={pp}, ep={ep}: "
-                         + "; ".join(errors))
-    coordinates = RankCoordinates(1, 1, 0, 0) if world == 1 else _rank_coordinates(tp, pp, ep)
+        raise ValueError(f"{hf_path} cannot be laid out at tp={tp}, pp={pp}, ep={ep}, "
+                         f"etp={layout.expert_tp}: " + "; ".join(errors))
+    coordinates = (RankCoordinates(1, 1, 0, 0) if world == 1
+                   else _rank_coordinates(layout, dist.get_rank()))
     shards = local_shards_from_hf(hf, arch, model, coordinates)
     save_weights(out_dir, shards, model, coordinates, head="lm",
                  tokenizer_files=tokenizer_files(hf, arch),
                  extra_metadata={"hf_architecture": arch.name, "hf_config": hf.config,
-                                 "converted_for": {"tp": tp, "pp": pp, "ep": ep}})
+                                 "converted_for": {"tp": tp, "pp": pp, "ep": ep,
+                                                   "etp": layout.expert_tp}})
     return model
 
 
-def _rank_coordinates(tp: int, pp: int, ep: int) -> RankCoordinates:
-    """This rank's target coordinates, TP fastest, then EP, then PP (Megatron's order with the
-    data-parallel ranks being the EP ranks). The EP ranks after the first hold copies of the
-    other tensors, which the first writes."""
-    rank = dist.get_rank()
-    tp_rank, ep_rank, pp_rank = rank % tp, rank // tp % ep, rank // (tp * ep)
-    return RankCoordinates(tp, pp, tp_rank, pp_rank, dp_rank=ep_rank, ep_size=ep,
-                           ep_rank=ep_rank)
+CONVERSION_ORDER = "tp-ep-dp-pp"
+"""The conversion world's rank order: Megatron's default, its data-parallel ranks being as many
+as the EP ranks (the DP ranks after the first, and the expert copies, are replicas that the
+first writes)."""
+
+
+def _rank_coordinates(layout: ParallelLayout, rank: int) -> RankCoordinates:
+    """``rank``'s target coordinates in the conversion world's layout."""
+    position = layout.position(rank)
+    return RankCoordinates(layout.tp, layout.pp, position.tp_rank, position.pp_rank,
+                           position.dp_rank, layout.ep, position.ep_rank, position.edp_rank,
+                           layout.expert_tp, position.etp_rank)

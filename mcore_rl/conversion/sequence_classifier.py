@@ -65,8 +65,8 @@ def scalar_shards_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConf
             shards[local] = hf.tensor(SCORE).clone()
             continue
         full = canonical_from_hf(hf, arch, model, canonical)
-        shards[local] = sharding.split_for_tp(canonical, full, model, coordinates.tp_size,
-                                              coordinates.tp_rank).clone()
+        shards[local] = sharding.split_for_tp(canonical, full, model,
+                                              *coordinates.split_of(canonical)).clone()
     return shards
 
 

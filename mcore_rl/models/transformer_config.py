@@ -111,6 +111,7 @@ def moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
         moe_shared_expert_gate=moe.shared_expert_gate,
         moe_enable_routing_replay=True,  # routers follow given routes only when told (moe_routing)
         expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel,
     )
 
 

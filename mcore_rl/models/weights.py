@@ -61,5 +61,6 @@ def load_full_state(module: torch.nn.Module, full_state: Mapping[str, torch.Tens
         full_state, model, parallel.tensor_model_parallel_size,
         parallel.pipeline_model_parallel_size, parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(), head,
-        parallel.expert_model_parallel_size, parallel_state.get_expert_model_parallel_rank())
+        parallel.expert_model_parallel_size, parallel_state.get_expert_model_parallel_rank(),
+        (parallel.expert_tensor_parallel, parallel_state.get_expert_tensor_parallel_rank()))
     copy_into_stage(module, shards)

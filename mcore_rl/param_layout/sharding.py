@@ -39,9 +39,10 @@ in place of the two ``mlp.linear_fc*`` tensors::
     decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight              [2*Fs, H] GATE_UP (Fs > 0)
     decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight              [H, Fs]   ROW     (Fs > 0)
 
-with the GLOBAL expert index e. Experts are split across tensor-parallel ranks like the dense
-MLP (expert TP = TP). Expert parallelism (EP ranks) is like the pipeline for layers: EP rank r
-holds experts [r * E/EP, (r + 1) * E/EP) and numbers them locally from 0.
+with the GLOBAL expert index e. An expert's matrices are split like the dense MLP's, over the
+expert tensor-parallel ranks (ETP; by default the TP ranks, `tensor_split`). Expert parallelism
+(EP ranks) is like the pipeline for layers: EP rank r holds experts [r * E/EP, (r + 1) * E/EP)
+and numbers them locally from 0.
 
 Transformer-Engine spec names are accepted everywhere and mapped to these: TE fuses the norms into
 the following linear, so ``...self_attention.linear_qkv.layer_norm_weight`` is
@@ -561,6 +562,14 @@ def _with_expert_index(name: str, index: int) -> str:
     return f"decoder.layers.{layer}.{suffix}"
 
 
+def tensor_split(name: str, tp: tuple[int, int], etp: tuple[int, int] | None) -> tuple[int, int]:
+    """(size, rank) of the tensor-parallel split that parameter ``name`` is cut by, given the
+    rank's (size, rank) in TP and in expert TP (None: the same as TP). An expert's matrices are
+    split over the expert tensor-parallel ranks (Megatron ETP); every other tensor, the shared
+    expert's included, over TP."""
+    return etp if etp is not None and expert_of(name) is not None else tp
+
+
 def experts_per_rank(model: ModelConfig, ep_size: int) -> int:
     """Experts each expert-parallel rank holds (they are split evenly)."""
     errors = model.moe.expert_parallel_errors(ep_size)
@@ -614,10 +623,12 @@ def _canonical_state(state: Mapping[str, torch.Tensor], where: str) -> dict[str,
 
 def shard_full_state(full_state: Mapping[str, torch.Tensor], model: ModelConfig, tp_size: int,
                      pp_size: int, tp_rank: int, pp_rank: int, head: str = "lm",
-                     ep_size: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+                     ep_size: int = 1, ep_rank: int = 0,
+                     etp: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """The local state (local names -> contiguous shards) of rank (tp_rank, pp_rank, ep_rank),
-    cut from a canonical full state. ``full_state`` may hold only some parameters, but must hold
-    every one this stage needs and nothing that is not a parameter of this model."""
+    cut from a canonical full state; etp: the rank's (size, rank) in expert TP (None: TP's).
+    ``full_state`` may hold only some parameters, but must hold every one this stage needs and
+    nothing that is not a parameter of this model."""
     _check_layout(model, tp_size, pp_size)
     _check_rank(tp_rank, tp_size, "tp_rank")
     _check_rank(pp_rank, pp_size, "pp_rank")
@@ -631,7 +642,8 @@ def shard_full_state(full_state: Mapping[str, torch.Tensor], model: ModelConfig,
         if source not in state:
             raise ValueError(f"full state is missing {source!r} (needed as {local!r} on "
                              f"pipeline stage {pp_rank})")
-        local_state[local] = split_for_tp(source, state[source], model, tp_size, tp_rank)
+        local_state[local] = split_for_tp(source, state[source], model,
+                                          *tensor_split(source, (tp_size, tp_rank), etp))
     return local_state
 
 

@@ -115,18 +115,22 @@ class Production:
 
 def production_estimate(model, tp: int, pp: int, dp: int, engine: str, rollout_tp: int,
                         dtype: torch.dtype, links: Links = Links(),
-                        bucket_bytes: int = 512 * 1024 ** 2, ep: int = 1) -> Production:
+                        bucket_bytes: int = 512 * 1024 ** 2, ep: int = 1,
+                        etp: int | None = None) -> Production:
     """The estimates for the training rank order the trainer picks (for vLLM; other engines
-    keep Megatron's default order and plan their own grouping). ep: expert-parallel size."""
+    keep Megatron's default order and plan their own grouping). ep: expert-parallel size;
+    etp: expert tensor-parallel size (None: TP)."""
     order = DEFAULT_ORDER
     if engine == "vllm":
-        order = choose_training_order(model, tp, pp, dp, rollout_tp, links.gpus_per_node, ep)
-    training = TrainingLayout(model, tp, pp, dp, order, ep)
+        order = choose_training_order(model, tp, pp, dp, rollout_tp, links.gpus_per_node, ep,
+                                      etp)
+    training = TrainingLayout(model, tp, pp, dp, order, ep, etp)
     rollout, estimates = estimate(training, engine, rollout_tp, dtype, links, bucket_bytes)
     default_received = estimates[0].max_received
     if order != DEFAULT_ORDER:
-        default_received = estimate(TrainingLayout(model, tp, pp, dp, DEFAULT_ORDER, ep), engine,
-                                    rollout_tp, dtype, links, bucket_bytes)[1][0].max_received
+        default_received = estimate(TrainingLayout(model, tp, pp, dp, DEFAULT_ORDER, ep, etp),
+                                    engine, rollout_tp, dtype, links,
+                                    bucket_bytes)[1][0].max_received
     return Production(training, rollout, estimates, default_received)
 
 
@@ -136,7 +140,8 @@ def _gib(value: float) -> str:
 
 def table_header() -> list[str]:
     """The table's header lines (Markdown); the training layout column is TPxPPxDP, with xEP
-    appended when experts are split over expert-parallel ranks."""
+    appended when experts are split over expert-parallel ranks (and xETP when the experts'
+    tensor-parallel size is not TP's)."""
     return ["| GPUs | training TPxPPxDP[xEP] | rollout TPxDP | max GiB received: ours / "
             "full-gather / lower bound | ours / full-gather | est. s: ours / full-gather | "
             "peak extra GiB: ours / full-gather | rank order | ours with Megatron's default "
@@ -145,10 +150,11 @@ def table_header() -> list[str]:
 
 
 def _training_dims(training: TrainingLayout) -> str:
-    """TPxPPxDP, plus xEP<n> when expert parallelism splits the experts (so dense and EP-1
-    rows read as before)."""
+    """TPxPPxDP, plus xEP<n> when expert parallelism splits the experts and xETP<n> when the
+    experts' tensor-parallel size is not TP (so dense and EP-1 rows read as before)."""
     dims = f"{training.tp}x{training.pp}x{training.dp}"
-    return dims + (f"xEP{training.ep}" if training.ep > 1 else "")
+    dims += f"xEP{training.ep}" if training.ep > 1 else ""
+    return dims + (f"xETP{training.etp}" if training.grid.expert_tp != training.tp else "")
 
 
 def table_row(production: Production) -> str:

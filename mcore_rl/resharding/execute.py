@@ -232,12 +232,15 @@ def megatron_training_layout(model, order: str = "-".join(DEFAULT_ORDER)) -> Tra
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     layout = TrainingLayout(model, tp, pp, dist.get_world_size() // (tp * pp),
-                            layout_order(order), ps.get_expert_model_parallel_world_size())
+                            layout_order(order), ps.get_expert_model_parallel_world_size(),
+                            ps.get_expert_tensor_parallel_world_size())
     rank = dist.get_rank()
     mine = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-            ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank())
+            ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank(),
+            ps.get_expert_tensor_parallel_rank())
     assumed = layout.coordinates(rank) + layout.holding(rank)[2:]
     if assumed != mine:
-        raise PlanError(f"rank {rank} has Megatron coordinates (tp, pp, dp, ep) = {mine} but the "
-                        f"resharding layout assumes {assumed} for Megatron's rank order {order}")
+        raise PlanError(f"rank {rank} has Megatron coordinates (tp, pp, dp, ep, etp) = {mine} but "
+                        f"the resharding layout assumes {assumed} for Megatron's rank order "
+                        f"{order}")
     return layout

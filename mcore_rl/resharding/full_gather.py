@@ -37,29 +37,32 @@ def _owner_ep_rank(training: TrainingLayout, source: str) -> int | None:
     return expert // sharding.experts_per_rank(training.model, training.ep)
 
 
-def _holder_dp_rank(training: TrainingLayout, dp_rank: int, owner_ep: int | None) -> int:
-    """The data-parallel index whose ranks hold the tensor for ``dp_rank``: itself, or for an
-    expert held elsewhere the member of its expert-parallel group (consecutive DP indices,
-    Megatron's order) with the owning EP rank."""
-    if owner_ep is None:
-        return dp_rank
-    return dp_rank - dp_rank % training.ep + owner_ep
-
-
 def _gathered_runs(training: TrainingLayout, owner: int, dp_rank: int, tp_rank: int,
                    full_rows: int, replicated: bool, owner_ep: int | None) -> list[Transfer]:
     """How rank (tp_rank, owner, dp_rank) gets the full tensor on the owning stage: the other
-    TP ranks' shards (TP all-gather) if its DP index holds the tensor, else the whole tensor from
-    the holder at its TP rank (EP all-gather); nothing for a replicated tensor it holds."""
+    TP ranks' shards (TP all-gather), nothing for a replicated tensor; for an expert, the other
+    expert-TP ranks' shards if its EP rank holds it, else the whole tensor from the holder at
+    its expert-TP and expert-DP coordinates (EP all-gather)."""
     dst = training.rank_of(tp_rank, owner, dp_rank)
-    holder = _holder_dp_rank(training, dp_rank, owner_ep)
-    if holder != dp_rank:
-        return [Transfer(training.rank_of(tp_rank, owner, holder), dst, 0, 0, full_rows)]
+    if owner_ep is not None:
+        return _expert_gathered_runs(training, dst, full_rows, owner_ep)
     if replicated:
         return []
     shard_rows = full_rows // training.tp
     return [Transfer(training.rank_of(other, owner, dp_rank), dst, 0, 0, shard_rows)
             for other in range(training.tp) if other != tp_rank]
+
+
+def _expert_gathered_runs(training: TrainingLayout, dst: int, full_rows: int,
+                          owner_ep: int) -> list[Transfer]:
+    grid = training.grid
+    at = grid.position(dst)
+    if at.ep_rank != owner_ep:
+        holder = grid.expert_rank(at.pp_rank, owner_ep, at.etp_rank, at.edp_rank)
+        return [Transfer(holder, dst, 0, 0, full_rows)]
+    shard_rows = full_rows // grid.expert_tp
+    return [Transfer(grid.expert_rank(at.pp_rank, owner_ep, other, at.edp_rank), dst, 0, 0,
+                     shard_rows) for other in range(grid.expert_tp) if other != at.etp_rank]
 
 
 def _full_gather_runs(training: TrainingLayout, owner: int, full_rows: int,

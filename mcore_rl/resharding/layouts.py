@@ -41,7 +41,8 @@ from typing import Iterable
 import torch
 
 from mcore_rl.config.model import ModelConfig
-from mcore_rl.config.parallel import MEGATRON_DEFAULT_ORDER, expert_data_parallel_errors
+from mcore_rl.config.parallel import MEGATRON_DEFAULT_ORDER, with_expert_dimension
+from mcore_rl.runtime.layout import ParallelLayout
 from mcore_rl.param_layout import sharding
 from mcore_rl.param_layout.sharding import ShardKind
 
@@ -287,7 +288,12 @@ class TrainingLayout:
     """A permutation of ("tp", "dp", "pp"), fastest-varying first."""
 
     ep: int = 1
-    """Expert-parallel size: the DP ranks d with equal d mod EP hold the same experts."""
+    """Expert-parallel size: at ETP = TP the DP ranks d with equal d mod EP hold the same
+    experts."""
+
+    etp: int | None = None
+    """Expert tensor-parallel size (None: TP). Other values lay the experts over Megatron's
+    expert grid (runtime.layout)."""
 
     @property
     def world_size(self) -> int:
@@ -298,11 +304,17 @@ class TrainingLayout:
         """The order as Megatron's `initialize_model_parallel(order=...)` takes it."""
         return "-".join(self.order)
 
+    @functools.cached_property
+    def grid(self) -> ParallelLayout:
+        """Both of Megatron's grids over these ranks (dense and expert coordinates)."""
+        return ParallelLayout(self.tp, self.pp, self.dp, ep=self.ep, etp=self.etp,
+                              order=with_expert_dimension(self.megatron_order))
+
     def errors(self) -> list[str]:
         """Broken rules of this layout (empty when valid)."""
         errors = [f"training layout: {error}"
-                  for error in self.model.check(self.tp, self.pp, self.ep)
-                  + expert_data_parallel_errors(self.ep, self.dp)]
+                  for error in self.model.check(self.tp, self.pp, self.ep, self.etp)
+                  + self.grid.errors()]
         if sorted(self.order) != sorted(DEFAULT_ORDER):
             errors.append(f"training layout: rank order {self.megatron_order!r} must be a "
                           f"permutation of tp, dp and pp")
@@ -313,10 +325,8 @@ class TrainingLayout:
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, dp_rank) of global ``rank``."""
-        found, sizes = {}, self._sizes()
-        for name in self.order:
-            rank, found[name] = divmod(rank, sizes[name])
-        return found["tp"], found["pp"], found["dp"]
+        position = self.grid.position(rank)
+        return position.tp_rank, position.pp_rank, position.dp_rank
 
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
         """Global rank at these coordinates (inverse of `coordinates`)."""
@@ -327,10 +337,10 @@ class TrainingLayout:
             stride *= sizes[name]
         return rank
 
-    def holding(self, rank: int) -> tuple[int, int, int]:
-        """(tp_rank, pp_rank, ep_rank): what decides which shards ``rank`` holds."""
-        tp_rank, pp_rank, dp_rank = self.coordinates(rank)
-        return tp_rank, pp_rank, dp_rank % self.ep
+    def holding(self, rank: int) -> tuple[int, int, int, int]:
+        """(tp_rank, pp_rank, ep_rank, etp_rank): what decides which shards ``rank`` holds."""
+        position = self.grid.position(rank)
+        return position.tp_rank, position.pp_rank, position.ep_rank, position.etp_rank
 
     def held(self, rank: int) -> dict[str, ShardSpec]:
         """Canonical source -> the shard this rank's model stage holds (local names). A tied
@@ -338,15 +348,17 @@ class TrainingLayout:
         Ranks after the training ranks (rollout-only ranks in split placement) hold nothing."""
         if rank >= self.world_size:
             return {}
-        return _training_held(self.model, self.tp, self.pp, self.ep, *self.holding(rank))
+        return _training_held(self.model, self.tp, self.pp, self.ep, self.grid.expert_tp,
+                              *self.holding(rank))
 
 
 @functools.lru_cache(maxsize=4096)
-def _training_held(model: ModelConfig, tp: int, pp: int, ep: int, tp_rank: int,
-                   pp_rank: int, ep_rank: int) -> dict[str, ShardSpec]:
+def _training_held(model: ModelConfig, tp: int, pp: int, ep: int, etp: int, tp_rank: int,
+                   pp_rank: int, ep_rank: int, etp_rank: int) -> dict[str, ShardSpec]:
     held = {}
     for local, source in sharding.stage_params(model, pp, pp_rank, "lm", ep, ep_rank).items():
-        pieces, padding = megatron_pieces(source, model, tp, tp_rank)
+        pieces, padding = megatron_pieces(
+            source, model, *sharding.tensor_split(source, (tp, tp_rank), (etp, etp_rank)))
         held[source] = ShardSpec(local, source, split_dim(source), pieces, padding)
     return held
 

@@ -51,17 +51,18 @@ def tp_groups_within_nodes(training: TrainingLayout, ranks_per_node: int) -> boo
 
 def order_choices(model: ModelConfig, tp: int, pp: int, dp: int, rollout_tp: int,
                   ranks_per_node: int, element_size: int = 2,
-                  ep: int = 1) -> list[OrderChoice]:
+                  ep: int = 1, etp: int | None = None) -> list[OrderChoice]:
     """Every eligible order with its per-rank bytes into vLLM's layout, the default first.
     Dimensions of size 1 keep their default place (where they stand changes nothing). ep:
-    expert-parallel size (EP ranks follow the DP coordinate wherever DP stands)."""
+    expert-parallel size (EP ranks follow the DP coordinate wherever DP stands); etp: expert
+    tensor-parallel size (None: TP)."""
     sizes = {"tp": tp, "pp": pp, "dp": dp}
     movable = [name for name in DEFAULT_ORDER if sizes[name] > 1]
     choices = []
     for arrangement in permutations(movable):
         placed = iter(arrangement)
         order = tuple(next(placed) if sizes[name] > 1 else name for name in DEFAULT_ORDER)
-        training = TrainingLayout(model, tp, pp, dp, order, ep)
+        training = TrainingLayout(model, tp, pp, dp, order, ep, etp)
         if order != DEFAULT_ORDER and not tp_groups_within_nodes(training, ranks_per_node):
             continue
         rollout = make_rollout_layout(training, "vllm", rollout_tp)
@@ -71,8 +72,9 @@ def order_choices(model: ModelConfig, tp: int, pp: int, dp: int, rollout_tp: int
 
 
 def choose_training_order(model: ModelConfig, tp: int, pp: int, dp: int, rollout_tp: int,
-                          ranks_per_node: int, ep: int = 1) -> tuple[str, ...]:
+                          ranks_per_node: int, ep: int = 1,
+                          etp: int | None = None) -> tuple[str, ...]:
     """The eligible order whose busiest rank receives the fewest sync bytes (the first listed,
     Megatron's default, on ties: another order is taken only for a real gain)."""
-    choices = order_choices(model, tp, pp, dp, rollout_tp, ranks_per_node, ep=ep)
+    choices = order_choices(model, tp, pp, dp, rollout_tp, ranks_per_node, ep=ep, etp=etp)
     return min(choices, key=lambda choice: int(choice.received.max())).order

@@ -226,7 +226,8 @@ def with_rank_order(config: JobConfig, ranks_per_node: int, world_size: int) -> 
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
         order = choose_training_order(config.model, tp, pp, world_size // (tp * pp),
                                       config.rollout.rollout_tp, ranks_per_node,
-                                      parallel.expert_model_parallel_size)
+                                      parallel.expert_model_parallel_size,
+                                      parallel.expert_tensor_parallel_size)
     return dataclasses.replace(config, parallel=dataclasses.replace(
         parallel, rank_order="-".join(order)))
 
@@ -260,7 +261,8 @@ def training_layout(config: JobConfig, job_world_size: int) -> TrainingLayout:
     trainers = config.placement.trainer_ranks(job_world_size)
     return TrainingLayout(config.model, tp, pp, trainers // (tp * pp),
                           layout_order(parallel.megatron_order()),
-                          parallel.expert_model_parallel_size)
+                          parallel.expert_model_parallel_size,
+                          parallel.expert_tensor_parallel_size)
 
 
 def weight_plan(config: JobConfig, training: TrainingLayout,

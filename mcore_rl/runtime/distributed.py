@@ -163,6 +163,7 @@ def _initialize_megatron(config: JobConfig) -> None:
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel,
         distributed_timeout_minutes=config.runtime.collective_timeout_minutes,
         order=parallel.megatron_order(),
     )

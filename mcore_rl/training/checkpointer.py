@@ -111,8 +111,8 @@ def _world_size() -> int:
 
 
 def _layout() -> dict:
-    """The layout a resume must match: world size, TP, PP and, when experts are split, EP (DP
-    follows; dense checkpoints keep the three keys they always had)."""
+    """The layout a resume must match: world size, TP, PP and, when experts are split, EP, and
+    ETP when it is not TP (DP follows; dense checkpoints keep the three keys they always had)."""
     from megatron.core import parallel_state as ps
 
     layout = {"world_size": _world_size(),
@@ -120,6 +120,8 @@ def _layout() -> dict:
               "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size()}
     if ps.get_expert_model_parallel_world_size() > 1:
         layout["expert_model_parallel_size"] = ps.get_expert_model_parallel_world_size()
+    if ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size():
+        layout["expert_tensor_parallel_size"] = ps.get_expert_tensor_parallel_world_size()
     return layout
 
 
