@@ -18,6 +18,7 @@ from .config.job import colocated_only_errors, moe_job_errors
 from .conversion.model_source import with_model_from_init
 from .models.pretrained import build_from_init
 from .runtime import initialize, print0, read_launch_env, shutdown
+from .runtime.layout import training_rank
 from .training import make_trainable, shard_for_data_parallel, train_step
 
 
@@ -40,8 +41,6 @@ def next_token_loss(outputs: dict, micro_batch: dict):
 
 def run_smoke(config: JobConfig) -> list[dict]:
     """Train for config.smoke.steps steps; returns the per-step metrics."""
-    from megatron.core import parallel_state
-
     launch = read_launch_env()
     config = validate(with_model_from_init(config), launch.world_size)
     errors = colocated_only_errors(config) + moe_job_errors(config, "smoke")
@@ -53,8 +52,8 @@ def run_smoke(config: JobConfig) -> list[dict]:
     if config.init.hf_path or config.init.checkpoint:
         print0(f"smoke: weights from {config.init.hf_path or config.init.checkpoint}")
     trainable = make_trainable(model, config.optimizer, config.runtime.precision)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
+    here = training_rank()
+    dp_rank, dp_size = here.dp_rank, here.dp_size
     print0(f"smoke: world {runtime.world_size} = TP {config.parallel.tensor_model_parallel_size}"
            f" x PP {config.parallel.pipeline_model_parallel_size} x DP {dp_size}, "
            f"backend {runtime.backend}, precision {config.runtime.precision}")

@@ -698,3 +698,43 @@ def test_qkv_merge_with_kv_heads_fewer_than_tp_is_plain_concatenation(nq, nkv, t
     assert torch.equal(merged, torch.cat(shards))
     changed = (merged != full).any(dim=1).nonzero().flatten().tolist()
     assert changed == [2 * full.shape[0] // tp - 1]
+
+
+# (tp, pp, dp, ep, etp, Megatron order): expert grids equal to the dense one (ETP = TP) and
+# cutting across it (ETP1 at TP2 or TP4, ETP2 at TP1), in Megatron's default order and others.
+GRIDS = [(2, 1, 4, 2, None, "tp-ep-dp-pp"), (2, 1, 2, 2, 1, "tp-ep-dp-pp"),
+         (4, 2, 2, 8, 1, "tp-ep-dp-pp"), (1, 2, 4, 2, 2, "tp-ep-dp-pp"),
+         (2, 2, 2, 4, 1, "pp-tp-ep-dp"), (2, 2, 4, 2, 1, "ep-dp-tp-pp")]
+
+
+@pytest.mark.parametrize("tp, pp, dp, ep, etp, order", GRIDS)
+def test_layout_positions_are_megatrons_rank_groups(tp, pp, dp, ep, etp, order):
+    """runtime.layout places every rank in the dense and the expert grid exactly where
+    Megatron's RankGenerator (what initialize_model_parallel builds its groups from) puts it:
+    a rank's coordinate along a dimension is its index in that dimension's group."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from mcore_rl.runtime.layout import ParallelLayout
+
+    layout = ParallelLayout(tp, pp, dp, ep=ep, etp=etp, order=order)
+    assert not layout.errors()
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order)
+    expert = RankGenerator(tp=layout.expert_tp, ep=ep, dp=layout.expert_dp, pp=pp, cp=1,
+                           order=order)
+    checks = [(dense, "tp", "tp_rank"), (dense, "dp", "dp_rank"), (dense, "pp", "pp_rank"),
+              (expert, "tp", "etp_rank"), (expert, "ep", "ep_rank"), (expert, "dp", "edp_rank")]
+    for generator, dimension, field in checks:
+        for group in generator.get_ranks(dimension):
+            for index, rank in enumerate(group):
+                assert getattr(layout.position(rank), field) == index, (dimension, rank)
+    for rank in range(layout.world_size):
+        at = layout.position(rank)
+        assert layout.expert_rank(at.pp_rank, at.ep_rank, at.etp_rank, at.edp_rank) == rank
+
+
+def test_an_expert_grid_that_does_not_fit_the_ranks_is_refused():
+    from mcore_rl.runtime.layout import ParallelLayout
+
+    assert ParallelLayout(2, 1, 1, ep=4, etp=1).errors() == [
+        "parallel.expert_model_parallel_size=4 x expert_tensor_parallel_size=1 must divide "
+        "the 2 ranks of a pipeline stage (tensor x context x data parallel)"]

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig, MoEConfig, RopeScalingConfig
 from ..param_layout import sharding
+from ..runtime.layout import training_rank
 from ..runtime.process_guard import helper_processes_guarded
 from .common_state import write_common_state_file
 from .sharded_weights import sharded_state_dict, stored_vocab_rows
@@ -61,17 +62,10 @@ class RankCoordinates:
 def megatron_coordinates() -> RankCoordinates:
     """This rank's coordinates in Megatron's current parallel state (its dense and its expert
     grid)."""
-    from megatron.core import parallel_state as ps
-
-    return RankCoordinates(ps.get_tensor_model_parallel_world_size(),
-                           ps.get_pipeline_model_parallel_world_size(),
-                           ps.get_tensor_model_parallel_rank(),
-                           ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
-                           ps.get_expert_model_parallel_world_size(),
-                           ps.get_expert_model_parallel_rank(),
-                           ps.get_expert_data_parallel_rank(),
-                           ps.get_expert_tensor_parallel_world_size(),
-                           ps.get_expert_tensor_parallel_rank())
+    here = training_rank()
+    return RankCoordinates(here.tp_size, here.pp_size, here.tp_rank, here.pp_rank, here.dp_rank,
+                           here.ep_size, here.ep_rank, here.edp_rank, here.etp_size,
+                           here.etp_rank)
 
 
 def is_checkpoint(path: str) -> bool:

@@ -13,6 +13,7 @@ import torch
 from ..config import ModelConfig, ParallelConfig
 from ..config.lora import LoraConfig
 from ..param_layout.sharding import adapter_of
+from ..runtime.layout import training_rank
 from ..runtime.model_groups import ModelGroups
 from .heads import ScalarHead
 from .layer_spec import decoder_spec
@@ -37,16 +38,14 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
     lora (enabled): the targeted linears get adapters, started from `seed` (models/lora.py);
     everything else is frozen, except a scalar head, which trains whole.
     """
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     if head not in ("lm", "scalar"):
         raise ValueError(f"head={head!r} must be 'lm' or 'scalar'")
     config = megatron_transformer_config(model, parallel, precision, random_init)
     if groups is None:
-        pre_process = parallel_state.is_pipeline_first_stage()
-        post_process = parallel_state.is_pipeline_last_stage()
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        here = training_rank()
+        pre_process, post_process, pp_rank = here.is_first_stage, here.is_last_stage, here.pp_rank
     else:
         pre_process, post_process = groups.is_first_stage, groups.is_last_stage
         pp_rank = groups.pp_rank

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ..config.lora import LoraConfig
 from ..config.model import ModelConfig
 from ..param_layout import sharding
+from ..runtime.layout import training_rank
 from .spec_parts import mlp_submodules
 from .weights import local_parameters
 
@@ -222,11 +223,8 @@ def initialize_adapters(module: torch.nn.Module, model: ModelConfig, seed: int) 
     """peft's starting adapters on every layout: A ~ U(-1/sqrt(in), 1/sqrt(in)) drawn whole
     from a generator seeded by `seed` and A's global name, then cut to this rank's shard;
     B = 0."""
-    from megatron.core import parallel_state as ps
-
-    tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    pp_size, pp_rank = (ps.get_pipeline_model_parallel_world_size(),
-                        ps.get_pipeline_model_parallel_rank())
+    here = training_rank()
+    tp_size, tp_rank, pp_size, pp_rank = here.tp_size, here.tp_rank, here.pp_size, here.pp_rank
     for name, linear in adapted_linears(module).items():
         a_name = sharding.to_global_name(f"{name}.lora_a", pp_rank, model, pp_size)
         in_features = linear.lora_a.shape[1] * (tp_size if linear.SPLIT[0] == "lora_a" else 1)
@@ -263,16 +261,14 @@ def gather_full_adapters(local: dict[str, torch.Tensor], model: ModelConfig
     (None elsewhere). Adapters are small next to the model, so they travel as objects; only the
     first data-parallel replica sends them."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    pp_size, pp_rank = (ps.get_pipeline_model_parallel_world_size(),
-                        ps.get_pipeline_model_parallel_rank())
+    here = training_rank()
     mine = {}
-    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:  # replicas send nothing
-        mine = {sharding.to_global_name(name, pp_rank, model, pp_size):
+    if here.replica_rank == 0:  # replicas send nothing
+        mine = {sharding.to_global_name(name, here.pp_rank, model, here.pp_size):
                 tensor.detach().to("cpu", copy=True) for name, tensor in local.items()}
     everything = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((ps.get_tensor_model_parallel_rank(), mine), everything, dst=0)
+    dist.gather_object((here.tp_rank, mine), everything, dst=0)
     if everything is None:
         return None
     shards: dict[str, dict[int, torch.Tensor]] = {}

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config.model import ModelConfig
+from mcore_rl.runtime.layout import training_group, training_rank
 
 NO_ROUTE = -1
 """``routed_experts`` entry of a (token, layer) with no given route."""
@@ -71,21 +72,17 @@ def local_routers(chunk, model: ModelConfig) -> list[tuple[int, torch.nn.Module]
 def _sequence_major(per_token: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     """[b, s, ...] -> the router's token order [s_local * b, ...]: sequence-major, and with
     sequence parallelism only this TP rank's chunk of the sequence."""
-    from megatron.core import parallel_state
-
     tokens = per_token.transpose(0, 1)
     if sequence_parallel:
-        size = parallel_state.get_tensor_model_parallel_world_size()
-        tokens = tokens.chunk(size)[parallel_state.get_tensor_model_parallel_rank()]
+        here = training_rank()
+        tokens = tokens.chunk(here.tp_size)[here.tp_rank]
     return tokens.reshape(-1, *per_token.shape[2:])
 
 
 def _whole_sequence(tokens: torch.Tensor) -> torch.Tensor:
     """This TP rank's [s_local * b, ...] sequence chunk -> the whole [s * b, ...], gathered
     over the TP ranks (the inverse of `_sequence_major`'s chunking)."""
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
+    group = training_group("tp")
     whole = tokens.new_empty((tokens.shape[0] * dist.get_world_size(group), *tokens.shape[1:]))
     dist.all_gather_into_tensor(whole, tokens.contiguous(), group=group)
     return whole

@@ -14,6 +14,7 @@ from ..checkpoint.weights_io import (RankCoordinates, load_weights_into, megatro
                                      read_metadata)
 from ..config import InitConfig, ModelConfig, ParallelConfig
 from ..config.lora import LoraConfig
+from ..runtime.layout import training_group
 from ..param_layout import sharding
 from ..runtime.devices import collective_device
 from ..runtime.model_groups import ModelGroups
@@ -69,13 +70,11 @@ def check_replicas_identical(module: torch.nn.Module) -> None:
     rank, a partial load) would train different models without any error. A Mixture-of-Experts
     model's experts are compared over their own replicas (Megatron's expert data-parallel
     group): the DP ranks of different EP ranks hold different experts."""
-    from megatron.core import parallel_state
-
     expert = [param for param in module.parameters() if not getattr(param, "allreduce", True)]
     dense = [param for param in module.parameters() if getattr(param, "allreduce", True)]
-    differ = _replicas_differ(dense, parallel_state.get_data_parallel_group())
+    differ = _replicas_differ(dense, training_group("dp"))
     if expert:
-        differ |= _replicas_differ(expert, parallel_state.get_expert_data_parallel_group())
+        differ |= _replicas_differ(expert, training_group("edp"))
     if differ:
         raise RuntimeError("the data-parallel replicas of the model start from different "
                            "weights (seeding or loading differs between ranks)")

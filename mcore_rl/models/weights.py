@@ -13,6 +13,7 @@ import torch
 
 from ..config import ModelConfig, ParallelConfig
 from ..param_layout import sharding
+from ..runtime.layout import training_rank
 
 
 def local_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -55,12 +56,10 @@ def copy_into_stage(module: torch.nn.Module, local_shards: Mapping[str, torch.Te
 def load_full_state(module: torch.nn.Module, full_state: Mapping[str, torch.Tensor],
                     model: ModelConfig, parallel: ParallelConfig, head: str = "lm") -> None:
     """Copy this rank's shards of a canonical full state into the model stage, in place."""
-    from megatron.core import parallel_state
-
+    here = training_rank()
     shards = sharding.shard_full_state(
         full_state, model, parallel.tensor_model_parallel_size,
-        parallel.pipeline_model_parallel_size, parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_rank(), head,
-        parallel.expert_model_parallel_size, parallel_state.get_expert_model_parallel_rank(),
-        (parallel.expert_tensor_parallel, parallel_state.get_expert_tensor_parallel_rank()))
+        parallel.pipeline_model_parallel_size, here.tp_rank, here.pp_rank, head,
+        parallel.expert_model_parallel_size, here.ep_rank,
+        (parallel.expert_tensor_parallel, here.etp_rank))
     copy_into_stage(module, shards)

@@ -34,6 +34,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from ..runtime.layout import training_rank
 from ..runtime.transport import Transport, WorldTransport
 from .layouts import DEFAULT_ORDER, TrainingLayout, layout_order
 from .plan import BucketEntry, ParamPlan, PlanError, ReshardPlan, Transfer
@@ -228,16 +229,11 @@ def megatron_training_layout(model, order: str = "-".join(DEFAULT_ORDER)) -> Tra
     """The TrainingLayout of Megatron's current parallel state, initialised with rank order
     `order`, after checking that this rank's coordinates in it (expert-parallel rank included)
     are the ones Megatron assigned (the plan relies on the rank order)."""
-    from megatron.core import parallel_state as ps
-
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    layout = TrainingLayout(model, tp, pp, dist.get_world_size() // (tp * pp),
-                            layout_order(order), ps.get_expert_model_parallel_world_size(),
-                            ps.get_expert_tensor_parallel_world_size())
+    here = training_rank()
+    layout = TrainingLayout(model, here.tp_size, here.pp_size, here.dp_size,
+                            layout_order(order), here.ep_size, here.etp_size)
     rank = dist.get_rank()
-    mine = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-            ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank(),
-            ps.get_expert_tensor_parallel_rank())
+    mine = (here.tp_rank, here.pp_rank, here.dp_rank, here.ep_rank, here.etp_rank)
     assumed = layout.coordinates(rank) + layout.holding(rank)[2:]
     if assumed != mine:
         raise PlanError(f"rank {rank} has Megatron coordinates (tp, pp, dp, ep, etp) = {mine} but "

@@ -17,6 +17,7 @@ from mcore_rl.roles import Teacher
 from mcore_rl.runtime import print0
 from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.devices import device_memory_bytes
+from mcore_rl.runtime.layout import training_rank
 from mcore_rl.runtime.model_groups import build_model_groups
 from mcore_rl.training.memory_plan import scoring_memory, training_memory
 
@@ -25,8 +26,6 @@ def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher
     """The frozen teacher in its own layout (teacher.parallel), after checking on every rank,
     before anything is built, that it shares the student's tokenizer, fits that layout and
     fits the device's memory beside the student's training state."""
-    from megatron.core import parallel_state
-
     if tokenizer is None:
         raise ValueError("a teacher needs the student's tokenizer to be checked against")
     settings = config.teacher
@@ -40,7 +39,7 @@ def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher
                                     groups, device)
     return Teacher(module, groups, model.vocab_size, _micro_batch_size(config),
                    config.rollout.sampling.temperature, settings.offload,
-                   parallel_state.get_data_parallel_rank())
+                   training_rank().dp_rank)
 
 
 def check_teacher(config: JobConfig, model, tokenizer, available: int) -> None:

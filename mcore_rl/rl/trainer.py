@@ -40,6 +40,7 @@ from mcore_rl.observability.trained_prompts import TrainedPromptsLog
 from mcore_rl.roles import Scorer
 from mcore_rl.runtime import initialize, print0, shutdown
 from mcore_rl.runtime.launch_env import read_launch_env
+from mcore_rl.runtime.layout import training_group, training_rank
 from mcore_rl.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from mcore_rl.runtime.progress import progress
 from mcore_rl.training import checkpointer
@@ -118,12 +119,10 @@ class Trainer:
         refuse_earlier_run(config.runtime.output_dir, () if resumable else (METRICS_FILE,),
                            "holds an earlier run", " and no checkpoint to resume from (or "
                            "trainer.resume=false)")
-        from megatron.core import parallel_state
-
-        self.dp_group = parallel_state.get_data_parallel_group()
-        model_parallel = parallel_state.get_model_parallel_group()
-        self.data = load_training_data(config, parallel_state.get_data_parallel_rank(),
-                                       parallel_state.get_data_parallel_world_size())
+        here = training_rank()
+        self.dp_group = training_group("dp")
+        model_parallel = training_group("mp")
+        self.data = load_training_data(config, here.dp_rank, here.dp_size)
         if self.runtime.split is None:
             self.roles, self.scheduler = _colocated_rollouts(config, self.data, reward_fn,
                                                               self.runtime, model_parallel,

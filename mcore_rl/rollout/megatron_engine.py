@@ -28,6 +28,7 @@ import torch.distributed as dist
 from mcore_rl.config.model import ModelConfig
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.models.weights import local_parameters
+from mcore_rl.runtime.layout import training_group, training_rank
 from mcore_rl.runtime.progress import progress
 
 from .engine import Completion, EngineError, Generation, RolloutEngine
@@ -45,7 +46,6 @@ class MegatronEngine(RolloutEngine):
         longest prompt + response. stop_token_ids: always end a response (the tokenizer's EOS).
         own_weights: the module is the engine's copy, so `update_weights` loads into it and
         `sleep` may move it off the GPU; False means it is the trainer's module."""
-        from megatron.core import parallel_state
         from megatron.core.utils import get_model_config
 
         if get_model_config(module).sequence_parallel:
@@ -61,12 +61,12 @@ class MegatronEngine(RolloutEngine):
         self.weight_layout = "megatron" if own_weights else None
         self.device = next(module.parameters()).device
         self.params_dtype = next(module.parameters()).dtype
-        self._group = parallel_state.get_model_parallel_group()
-        self._pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self._pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
-        self._padded_vocab = model.padded_vocab_size(
-            parallel_state.get_tensor_model_parallel_world_size())
-        self._dp_rank = parallel_state.get_data_parallel_rank()
+        here = training_rank()
+        self._group = training_group("mp")
+        self._pp_group = training_group("pp")
+        self._pp_last_rank = here.last_stage_rank
+        self._padded_vocab = model.padded_vocab_size(here.tp_size)
+        self._dp_rank = here.dp_rank
         self._calls = 0
         self._sleeping = False
         self._weights_mapped = True

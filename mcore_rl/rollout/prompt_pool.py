@@ -18,6 +18,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
+from mcore_rl.runtime.layout import training_groups_initialized, training_rank
 from mcore_rl.runtime.regroup import gather_shares, one_share_per_key
 
 from .prompts import PromptError, check_request, prepare_prompts
@@ -78,8 +79,6 @@ def pool_requests(prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
 def default_shard_key() -> int:
     """The rank's data shard: its Megatron data-parallel rank when a trainer set up parallel
     state, else its global rank."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_data_parallel_rank()
+    if training_groups_initialized():
+        return training_rank().dp_rank
     return dist.get_rank()

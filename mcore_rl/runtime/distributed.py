@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..config import JobConfig, validate
 from .devices import cuda_device_index
 from .launch_env import LaunchEnv, read_launch_env
+from .layout import ParallelLayout, destroy_training_groups, initialize_training_groups
 from .log import forget_job_rank, quiet_known_warnings, send_library_logs_to_file
 from .process_guard import guard_this_rank, reclaim_stale_files
 from .worlds import SplitWorld, start_split_worlds
@@ -155,18 +156,8 @@ def _export_launch_variables(launch: LaunchEnv) -> None:
 
 
 def _initialize_megatron(config: JobConfig) -> None:
-    from megatron.core import parallel_state
-
-    parallel = config.parallel
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=parallel.expert_tensor_parallel,
-        distributed_timeout_minutes=config.runtime.collective_timeout_minutes,
-        order=parallel.megatron_order(),
-    )
+    layout = ParallelLayout.of(config.parallel, dist.get_world_size())
+    initialize_training_groups(layout, config.runtime.collective_timeout_minutes)
 
 
 def seed_everything(seed: int) -> None:
@@ -189,10 +180,7 @@ def shutdown() -> None:
     """Tear down Megatron's groups and the process group after a successful run (safe to call
     twice). Not for error paths: its barrier would wait for ranks stuck elsewhere; a failing
     rank should just raise, and the launcher ends the others."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    destroy_training_groups()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

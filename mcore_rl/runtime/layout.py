@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.parallel import ParallelConfig, expert_grid_errors
+
 DENSE_DIMENSIONS = ("tp", "cp", "dp", "pp")
 EXPERT_DIMENSIONS = ("tp", "ep", "dp", "pp")
 """The names of each grid in Megatron's order string; the expert grid's "tp" is ETP and its
@@ -57,6 +59,14 @@ class ParallelLayout:
     """Megatron's ``order``: dimension names, fastest-varying over consecutive ranks first. A
     dimension it leaves out must have size 1 (cp and ep may be omitted at size 1)."""
 
+    @classmethod
+    def of(cls, parallel: ParallelConfig, world_size: int) -> "ParallelLayout":
+        """The layout `parallel` describes over ``world_size`` ranks."""
+        return cls(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                   parallel.data_parallel_size(world_size), parallel.context_parallel_size,
+                   parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size,
+                   parallel.megatron_order())
+
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
@@ -71,15 +81,8 @@ class ParallelLayout:
         return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     def errors(self) -> list[str]:
-        """Broken rules of the expert grid (empty when valid): Megatron needs ETP x EP to
-        divide the ranks of a pipeline stage. At ETP = TP that is "EP divides DP"."""
-        stage_ranks = self.tp * self.cp * self.dp
-        if stage_ranks % (self.expert_tp * self.ep):
-            return [f"parallel.expert_model_parallel_size={self.ep} x "
-                    f"expert_tensor_parallel_size={self.expert_tp} must divide the "
-                    f"{stage_ranks} ranks of a pipeline stage (tensor x context x data "
-                    f"parallel: {self.tp} x {self.cp} x {self.dp})"]
-        return []
+        """Broken rules of the expert grid (empty when valid; config.parallel owns them)."""
+        return expert_grid_errors(self.ep, self.expert_tp, self.tp * self.cp * self.dp)
 
     def position(self, rank: int) -> RankPosition:
         """``rank``'s coordinates in the dense and the expert grid."""
@@ -115,3 +118,97 @@ def _coordinates(rank: int, order: str, sizes: dict[str, int]) -> dict[str, int]
     for name in names:
         rank, found[name] = divmod(rank, sizes[name])
     return found
+
+
+# --------------------------------------------------------------------------------------------
+# The trained models' layout on this rank: Megatron's global parallel state, read only here
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrainingRank:
+    """This rank's place in the layout of the trained models (actor, critic, reference), which
+    Megatron keeps as global state: sizes, coordinates and its pipeline's last rank."""
+
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    dp_rank: int
+    replica_rank: int
+    """Which copy of the model's weights the rank holds (data x context parallel rank)."""
+
+    ep_size: int
+    ep_rank: int
+    etp_size: int
+    etp_rank: int
+    edp_rank: int
+    """Which copy of its expert shards the rank holds (Megatron's expert data-parallel rank)."""
+
+    last_stage_rank: int
+    """Global rank of the last stage of this rank's pipeline."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def training_rank() -> TrainingRank:
+    """This rank's `TrainingRank`, read from Megatron's parallel state (initialised)."""
+    from megatron.core import parallel_state as ps
+
+    return TrainingRank(
+        ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
+        ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+        ps.get_data_parallel_rank(with_context_parallel=True),
+        ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_data_parallel_rank(), ps.get_pipeline_model_parallel_last_rank())
+
+
+_GROUP_GETTERS = {"tp": "get_tensor_model_parallel_group",
+                  "pp": "get_pipeline_model_parallel_group",
+                  "dp": "get_data_parallel_group",
+                  "mp": "get_model_parallel_group",
+                  "ep": "get_expert_model_parallel_group",
+                  "edp": "get_expert_data_parallel_group"}
+"""Process groups of the trained models' layout by short name: tensor, pipeline, data, model
+(TP x PP), expert and expert-data parallel."""
+
+
+def training_group(name: str):
+    """The trained models' process group ``name`` (one of `_GROUP_GETTERS`) on this rank."""
+    from megatron.core import parallel_state as ps
+
+    return getattr(ps, _GROUP_GETTERS[name])()
+
+
+def training_groups_initialized() -> bool:
+    """Whether Megatron's parallel state (the trained models' groups) exists in this process."""
+    from megatron.core import parallel_state as ps
+
+    return ps.model_parallel_is_initialized()
+
+
+def initialize_training_groups(layout: ParallelLayout, timeout_minutes: float) -> None:
+    """Create the trained models' groups as Megatron's parallel state (collective)."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        distributed_timeout_minutes=timeout_minutes, order=layout.order)
+
+
+def destroy_training_groups() -> None:
+    """Tear down Megatron's parallel state when it exists."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from mcore_rl.checkpoint.common_state import write_common_state_file
 from mcore_rl.models.heads import ScalarHead
 from mcore_rl.runtime.faults import kill_point
+from mcore_rl.runtime.layout import training_rank
 from mcore_rl.runtime.process_guard import helper_processes_guarded
 from .optimizer import inner_optimizers
 
@@ -113,15 +114,13 @@ def _world_size() -> int:
 def _layout() -> dict:
     """The layout a resume must match: world size, TP, PP and, when experts are split, EP, and
     ETP when it is not TP (DP follows; dense checkpoints keep the three keys they always had)."""
-    from megatron.core import parallel_state as ps
-
-    layout = {"world_size": _world_size(),
-              "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-              "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size()}
-    if ps.get_expert_model_parallel_world_size() > 1:
-        layout["expert_model_parallel_size"] = ps.get_expert_model_parallel_world_size()
-    if ps.get_expert_tensor_parallel_world_size() != ps.get_tensor_model_parallel_world_size():
-        layout["expert_tensor_parallel_size"] = ps.get_expert_tensor_parallel_world_size()
+    here = training_rank()
+    layout = {"world_size": _world_size(), "tensor_model_parallel_size": here.tp_size,
+              "pipeline_model_parallel_size": here.pp_size}
+    if here.ep_size > 1:
+        layout["expert_model_parallel_size"] = here.ep_size
+    if here.etp_size != here.tp_size:
+        layout["expert_tensor_parallel_size"] = here.etp_size
     return layout
 
 

@@ -26,6 +26,7 @@ from mcore_rl.observability import refuse_earlier_run
 from mcore_rl.observability.step_metrics import MetricsLogger
 from mcore_rl.runtime import initialize, read_launch_env, shutdown
 from mcore_rl.runtime.devices import collective_device
+from mcore_rl.runtime.layout import training_group, training_rank
 from mcore_rl.runtime.progress import progress
 
 StepFn = Callable[[list[int], list[int]], tuple[dict, int]]
@@ -78,10 +79,8 @@ def run_epochs(section_config, num_examples: int, logger: MetricsLogger, section
     """section_config.epochs passes of whole batches of section_config.batch_size examples,
     logging each step, and `evaluate()` (None: no held-out data) every eval_every steps, or
     after each epoch, and after the last step. Returns the number of steps."""
-    from megatron.core import parallel_state
-
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
+    here = training_rank()
+    dp_rank, dp_size = here.dp_rank, here.dp_size
     batch_size = section_config.batch_size
     steps_per_epoch = num_examples // batch_size
     step = 0
@@ -115,11 +114,9 @@ def data_parallel_sums(count: int, micro_batch_size: int, width: int,
     (collective). Every rank runs the same number of micro-batches (a Mixture-of-Experts
     layer with experts split over ranks exchanges tokens in each forward pass): a rank out of
     examples scores its first ones again and adds nothing."""
-    from megatron.core import parallel_state
-
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    group = parallel_state.get_data_parallel_group()
+    here = training_rank()
+    dp_rank, dp_size = here.dp_rank, here.dp_size
+    group = training_group("dp")
     device = collective_device(group)
     rows = list(range(dp_rank, count, dp_size))
     totals = torch.zeros(width, dtype=torch.float64, device=device)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from ..models.logprobs import vocab_parallel_logprobs_and_entropy
 from ..models.moe_routing import RoutingPass
 from ..runtime.devices import collective_device, module_device, to_device
+from ..runtime.layout import training_group, training_rank
 from ..runtime.model_groups import ModelGroups
 from .batches import (Batch, align_to_tokens, check_batch, split_micro_batches,
                       token_budget_micro_batches)
@@ -124,7 +125,6 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
     varying shapes (then also the row order; see batches.token_budget_micro_batches), followed
     by fillers (`_expert_group_fillers`); returns (micro-batches, order, how many are real:
     the schedule's results past those are the fillers', to drop)."""
-    from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
     config = get_model_config(chunks[0])
@@ -132,8 +132,7 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
     if max_tokens <= 0:
         micro_batches = split_micro_batches(batch, micro_batch_size)
         return micro_batches, None, len(micro_batches)
-    length_multiple = parallel_state.get_tensor_model_parallel_world_size() \
-        if config.sequence_parallel else 1
+    length_multiple = training_rank().tp_size if config.sequence_parallel else 1
     micro_batches, order = token_budget_micro_batches(batch, max_tokens, length_multiple)
     fillers = _expert_group_fillers(micro_batches, length_multiple)
     return micro_batches + fillers, order, len(micro_batches)
@@ -145,13 +144,10 @@ def _expert_group_fillers(micro_batches: list[Batch], length: int) -> list[Batch
     rows' lengths need. The ranks with fewer run fillers up to the group's most: one row of
     `length` tokens copied from a real one (valid tokens and routes), every mask zeroed, so no
     loss, gradient or metric sees it. Their outputs are dropped (`_micro_batches`)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_expert_model_parallel_world_size() == 1:
+    if training_rank().ep_size == 1:
         return []
     count = torch.tensor([len(micro_batches)], device=collective_device())
-    dist.all_reduce(count, op=dist.ReduceOp.MAX,
-                    group=parallel_state.get_expert_model_parallel_group())
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=training_group("ep"))
     missing = int(count.item()) - len(micro_batches)  # one host read per pass
     if missing == 0:
         return []
@@ -181,15 +177,12 @@ class _Pipeline:
 def _pipeline(model, groups: ModelGroups | None) -> _Pipeline:
     """The pipeline of `model`: in Megatron's parallel state, or with `groups` the schedule
     over its own groups (its P2P communicator and its groups go with every call)."""
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if groups is None:
-        return _Pipeline(get_forward_backward_func(),
-                         parallel_state.get_tensor_model_parallel_group(),
-                         parallel_state.get_pipeline_model_parallel_group(),
-                         parallel_state.get_pipeline_model_parallel_last_rank(),
-                         parallel_state.is_pipeline_last_stage())
+        here = training_rank()
+        return _Pipeline(get_forward_backward_func(), training_group("tp"),
+                         training_group("pp"), here.last_stage_rank, here.is_last_stage)
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.utils import get_model_config
 
@@ -321,13 +314,12 @@ def _gradients_finite(chunks: list) -> bool:
 def _reduce_metrics(per_micro_batch: list[dict]) -> dict:
     """Global loss and mean loss-function metrics, computed on the last stage over the DP group
     and sent to the other stages."""
-    from megatron.core import parallel_state
-
+    here = training_rank()
     reduced = None
-    if parallel_state.is_pipeline_last_stage():
+    if here.is_last_stage:
         names = sorted(name for name in per_micro_batch[0]
                        if name not in ("loss_numerator", "loss_denominator"))
-        group = parallel_state.get_data_parallel_group()
+        group = training_group("dp")
         device = collective_device(group)
         totals = torch.zeros(3 + len(names), dtype=torch.float64, device=device)
         for metrics in per_micro_batch:
@@ -340,10 +332,8 @@ def _reduce_metrics(per_micro_batch: list[dict]) -> dict:
         reduced = {"loss": (totals[0] / totals[1].clamp(min=1)).item()}
         reduced.update({name: (totals[3 + index] / totals[2]).item()
                         for index, name in enumerate(names)})
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+    if here.pp_size > 1:
         holder = [reduced]
-        dist.broadcast_object_list(holder,
-                                   src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                   group=parallel_state.get_pipeline_model_parallel_group())
+        dist.broadcast_object_list(holder, src=here.last_stage_rank, group=training_group("pp"))
         reduced = holder[0]
     return reduced
