@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="training expert tensor-parallel size (MoE models; default: "
                       "--train-tp)")
     plan.add_argument("--rollout-tp", type=int, required=True, help="rollout tensor-parallel size")
+    plan.add_argument("--rollout-ep", action="store_true",
+                      help="vLLM's expert parallelism: each rollout rank serves its block of the "
+                      "experts whole (rollout.expert_parallel)")
     plan.add_argument("--gpus", required=True,
                       help="world size, or comma-separated world sizes for a table")
     plan.add_argument("--engine", default="vllm", choices=ENGINES, help="rollout layout")
@@ -143,7 +146,7 @@ def _plan(args) -> None:
         production = production_estimate(model, args.train_tp, args.train_pp, dp, args.engine,
                                          args.rollout_tp, DTYPES[args.dtype], links,
                                          int(args.bucket_mb * 1024 ** 2), args.train_ep,
-                                         args.train_etp)
+                                         args.train_etp, args.rollout_ep)
         print(table_row(production), flush=True)
 
 

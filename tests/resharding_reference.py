@@ -10,6 +10,9 @@ definitions rather than from mcore_rl.resharding.
   fused_moe/routed_experts.py `_load_w13` / `_load_w2`): expert e's slot of ``w13_weight`` is
   [gate chunk r; up chunk r], of ``w2_weight`` its down projection's input chunk r; the router
   (``mlp.gate``) and the shared expert's gate are replicated, the shared expert is a dense MLP.
+  With expert parallelism (`enable_expert_parallel`; fused_moe/config.py
+  `FusedMoEParallelConfig.make`, linear expert placement) engine rank dp x TP + tp of DP x TP
+  holds experts [rank E / EP, (rank + 1) E / EP) whole, in slots numbered from 0.
 * Megatron at another TP: `sharding.split_for_tp` at PP=1 (tested against transformers).
 * Full: the canonical tensor itself.
 """
@@ -40,8 +43,10 @@ def _rows(tensor: torch.Tensor, first: int, count: int) -> torch.Tensor:
     return tensor[first:first + count]
 
 
-def vllm_reference(full_state: dict, model: ModelConfig, tp: int, rank: int) -> dict:
-    """vLLM parameter name -> the tensor rank ``rank`` of a TP=``tp`` engine holds."""
+def vllm_reference(full_state: dict, model: ModelConfig, tp: int, rank: int,
+                   experts: tuple[int, int] | None = None) -> dict:
+    """vLLM parameter name -> the tensor rank ``rank`` of a TP=``tp`` engine holds; experts:
+    (EP size, EP rank) with expert parallelism."""
     hf = {}
     architecture = QWEN2_MOE if model.moe.enabled else LLAMA
     for name, tensor in full_state.items():
@@ -50,6 +55,18 @@ def vllm_reference(full_state: dict, model: ModelConfig, tp: int, rank: int) -> 
     result = {}
     for name, tensor in hf.items():
         expert = _EXPERT.match(name)
+        if expert and experts:
+            block, index, projection = expert.groups()
+            per_rank = model.moe.num_experts // experts[0]
+            slot = int(index) - experts[1] * per_rank
+            if not 0 <= slot < per_rank or projection == "up":
+                continue
+            if projection == "gate":
+                result[f"{block}.routed_experts.w13_weight[{slot}]"] = torch.cat(
+                    [tensor, hf[name.replace("gate_proj", "up_proj")]])
+            else:
+                result[f"{block}.routed_experts.w2_weight[{slot}]"] = tensor
+            continue
         if expert:
             block, index, projection = expert.groups()
             if projection == "gate":
@@ -92,9 +109,9 @@ def megatron_reference(full_state: dict, model: ModelConfig, tp: int, rank: int)
 
 
 def expected_shards(full_state: dict, model: ModelConfig, engine: str, tp: int,
-                    tp_rank: int) -> dict:
+                    tp_rank: int, experts: tuple[int, int] | None = None) -> dict:
     if engine == "vllm":
-        return vllm_reference(full_state, model, tp, tp_rank)
+        return vllm_reference(full_state, model, tp, tp_rank, experts)
     if engine == "megatron":
         return megatron_reference(full_state, model, tp, tp_rank)
     return dict(full_state)

@@ -120,6 +120,31 @@ def test_plan_counts_expert_parallel_training(tmp_path):
     assert ours == pytest.approx(lacking, abs=0.006 * 1024 ** 3)
     assert lower == ours
     assert full == pytest.approx(full_gather, abs=0.006 * 1024 ** 3)
+    model_bytes = 2 * full_gather + sum(
+        math.prod(shape) * BF16 for name, shape in sharding.canonical_param_shapes(
+            ModelConfig(**dict(MOE_MODEL, moe=MoEConfig(**MOE_MODEL["moe"])))).items()
+        if sharding.expert_of(name) is None)
+    assert float(cells[-1]) * 1024 ** 3 == pytest.approx(model_bytes / 2, abs=0.006 * 1024 ** 3)
+
+
+def test_plan_sizes_vllm_expert_parallelism(tmp_path):
+    """--rollout-ep: vLLM's EP over the 4 engine ranks serves 2 of the 8 experts whole on each
+    (the dense tensors still split over rollout TP2); ranks 1 and 2 train other experts than
+    they serve (EP2 training: ranks 0, 2 hold experts 0-3), so they receive 2 experts."""
+    done = run_plan(tmp_path, "--train-tp", "1", "--train-ep", "2", "--rollout-tp", "2",
+                    "--rollout-ep", "--gpus", "4", model=MOE_MODEL)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 4 |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[2] == "2x2xEP4"
+    lacking, full_gather = moe_hand_count()  # a quarter, and half, of the experts' bytes
+    ours, _, lower = (float(v) * 1024 ** 3 for v in cells[3].split(" / "))
+    assert ours == lower == pytest.approx(lacking, abs=0.006 * 1024 ** 3)
+    dense = sum(math.prod(shape) * BF16 for name, shape in sharding.canonical_param_shapes(
+        ModelConfig(**dict(MOE_MODEL, moe=MoEConfig(**MOE_MODEL["moe"])))).items()
+        if sharding.expert_of(name) is None)
+    assert float(cells[-1]) * 1024 ** 3 == pytest.approx(dense / 2 + lacking,
+                                                         abs=0.006 * 1024 ** 3)
 
 
 @pytest.mark.parametrize("model,ep,message", [

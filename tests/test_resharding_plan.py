@@ -59,7 +59,9 @@ def execute_by_hand(plan, local_states) -> dict[int, dict[str, torch.Tensor]]:
     for rank in plan.rollout.ranks:
         delivered[rank] = {}
         for param in plan.params:
-            spec = plan.rollout.wanted(rank)[param.source]
+            spec = plan.rollout.wanted(rank).get(param.source)
+            if spec is None:  # an expert this rank's engine does not serve
+                continue
             out = torch.zeros(spec.shape(param.full_shape))
             for run in param.transfers + param.local_copies:
                 if run.dst != rank:
@@ -70,6 +72,14 @@ def execute_by_hand(plan, local_states) -> dict[int, dict[str, torch.Tensor]]:
                 out.narrow(param.dim, run.dst_offset, run.length).copy_(rows)
             delivered[rank][spec.name] = out
     return delivered
+
+
+def vllm_experts(rollout, rank: int) -> tuple[int, int] | None:
+    """(EP size, EP rank) of vLLM's expert parallelism on job rank ``rank`` (None without)."""
+    if not rollout.expert_parallel:
+        return None
+    index = rank - rollout.first_rank
+    return rollout.world_size, rollout.dp_rank_of[index] * rollout.tp + rollout.tp_rank_of[index]
 
 
 def brute_force_lower_bound(model, layout, rollout) -> list[int]:
@@ -85,7 +95,8 @@ def brute_force_lower_bound(model, layout, rollout) -> list[int]:
     for rank in range(layout.world_size):
         have = torch.cat([t.flatten() for t in held[rank].values()])
         want = torch.cat([t.flatten() for t in expected_shards(
-            distinct, model, rollout.engine, rollout.tp, rollout.tp_rank_of[rank]).values()])
+            distinct, model, rollout.engine, rollout.tp, rollout.tp_rank_of[rank],
+            vllm_experts(rollout, rank)).values()])
         want = want[want != 0]  # padding rows are zero, never sent
         lacking.append(int((~torch.isin(want, have)).sum()))
     return lacking
@@ -213,24 +224,31 @@ def test_bad_rollout_layouts_are_refused_before_planning(engine, tp, message):
 MOE_MODEL = dataclasses.replace(MODEL, moe=MoEConfig(
     num_experts=4, ffn_hidden_size=32, dense_layers=(0,), shared_expert_ffn_hidden_size=48,
     shared_expert_gate=True))
-# (training tp, pp, dp, rank order, ep[, etp]) -> vLLM rollout tp. At ETP1 x TP2 the expert
-# grid cuts across the TP groups: ranks of one TP group hold different experts.
-MOE_PAIRS = [((1, 1, 4, DEFAULT_ORDER, 2), 2), ((2, 1, 2, DEFAULT_ORDER, 2), 4),
-             ((1, 2, 4, DEFAULT_ORDER, 4), 2), ((2, 2, 2, ("pp", "tp", "dp"), 2), 8),
-             ((2, 1, 2, DEFAULT_ORDER, 2, 1), 4), ((2, 1, 1, DEFAULT_ORDER, 2, 1), 2)]
+# (training tp, pp, dp, rank order, ep[, etp]) -> (vLLM rollout tp, vLLM expert parallelism).
+# At ETP1 x TP2 the expert grid cuts across the TP groups: ranks of one TP group hold different
+# experts. With vLLM's expert parallelism a rank serves 4 / (DP x TP) experts whole.
+MOE_PAIRS = [((1, 1, 4, DEFAULT_ORDER, 2), (2, False)), ((2, 1, 2, DEFAULT_ORDER, 2), (4, False)),
+             ((1, 2, 4, DEFAULT_ORDER, 4), (2, False)),
+             ((2, 2, 2, ("pp", "tp", "dp"), 2), (8, False)),
+             ((2, 1, 2, DEFAULT_ORDER, 2, 1), (4, False)),
+             ((2, 1, 1, DEFAULT_ORDER, 2, 1), (2, False)),
+             ((2, 1, 2, DEFAULT_ORDER, 1), (4, True)), ((1, 2, 2, DEFAULT_ORDER, 2), (2, True)),
+             ((2, 1, 1, DEFAULT_ORDER, 1), (2, True))]
 
 
-@pytest.mark.parametrize("training_dims,rollout_tp", MOE_PAIRS,
-                         ids=[f"tp{t}pp{p}dp{d}ep{e}etp{(*etp, t)[0]}-vllm{r}"
-                              for (t, p, d, _, e, *etp), r in MOE_PAIRS])
-def test_moe_plan_fills_vllm_expert_slots_with_only_missing_rows(training_dims, rollout_tp):
+@pytest.mark.parametrize("training_dims,rollout_dims", MOE_PAIRS,
+                         ids=[f"tp{t}pp{p}dp{d}ep{e}etp{(*etp, t)[0]}-vllm{r}{'ep' * x}"
+                              for (t, p, d, _, e, *etp), (r, x) in MOE_PAIRS])
+def test_moe_plan_fills_vllm_expert_slots_with_only_missing_rows(training_dims, rollout_dims):
+    rollout_tp, expert_parallel = rollout_dims
     layout = TrainingLayout(MOE_MODEL, *training_dims)
-    rollout = make_rollout_layout(layout, "vllm", rollout_tp)
+    rollout = make_rollout_layout(layout, "vllm", rollout_tp, expert_parallel=expert_parallel)
     plan = build_plan(layout, rollout, torch.float32)
     full = reference_full_state(MOE_MODEL)
     delivered = execute_by_hand(plan, training_shards(full, layout))
     for rank, shards in delivered.items():
-        expected = expected_shards(full, MOE_MODEL, "vllm", rollout_tp, rollout.tp_rank_of[rank])
+        expected = expected_shards(full, MOE_MODEL, "vllm", rollout_tp, rollout.tp_rank_of[rank],
+                                   vllm_experts(rollout, rank))
         assert shards.keys() == expected.keys()
         for name, tensor in shards.items():
             assert torch.equal(tensor, expected[name]), f"rank {rank} {name}"

@@ -250,6 +250,13 @@ def test_rl_config_rules_name_the_fields():
                                           "where ranks with experts split"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=megatron",
                                        "parallel.expert_model_parallel_size=2"]), 2)
+    with pytest.raises(ConfigError, match=r"rollout.expert_parallel=true: model.moe.num_experts=3 "
+                                          r"must be divisible by the engine's ranks \(rollout."
+                                          r"rollout_tp=2\)"):
+        validate_rl(load_config(None, ["model.moe.num_experts=3", "rollout.rollout_tp=2",
+                                       "rollout.expert_parallel=true"]), 2)
+    with pytest.raises(ConfigError, match="rollout.expert_parallel=true needs a Mixture-of-"):
+        validate_rl(load_config(None, ["rollout.expert_parallel=true"]), 1)
     with pytest.raises(ConfigError, match=r"parallel.expert_tensor_parallel_size=0 must be "
                                           r">= 1 or unset"):
         validate_rl(load_config(None, ["parallel.expert_tensor_parallel_size=0"]), 1)

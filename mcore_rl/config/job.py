@@ -185,6 +185,18 @@ def lora_errors(config: JobConfig, lora: LoraConfig, prefix: str) -> list[str]:
     return errors
 
 
+def _rollout_expert_parallel_errors(config: JobConfig) -> list[str]:
+    """vLLM's expert parallelism splits the experts over the engine's ranks, whole."""
+    experts, rollout_tp = config.model.moe.num_experts, config.rollout.rollout_tp
+    if config.rollout.engine != "vllm":
+        return [f"rollout.expert_parallel=true is vLLM's expert parallelism: needs "
+                f"rollout.engine=vllm, not {config.rollout.engine!r}"]
+    if experts % rollout_tp:
+        return [f"rollout.expert_parallel=true: model.moe.num_experts={experts} must be "
+                f"divisible by the engine's ranks (rollout.rollout_tp={rollout_tp})"]
+    return []
+
+
 def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
     """What an RL job on a Mixture-of-Experts model cannot do yet. With experts split over
     ranks, every forward pass exchanges tokens among the EP ranks, so they must run the same
@@ -194,8 +206,10 @@ def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
     sync plans it (seen as mismatched shapes at the first sync)."""
     replay = config.rollout.routing_replay
     if not config.model.moe.enabled:
-        return [f"rollout.routing_replay={replay} needs a Mixture-of-Experts model "
-                "(model.moe.num_experts > 0)"] if replay != "none" else []
+        return [f"rollout.{field}={value} needs a Mixture-of-Experts model (model.moe."
+                "num_experts > 0)" for field, value in (("routing_replay", replay),
+                                                         ("expert_parallel", "true"))
+                if getattr(config.rollout, field) not in ("none", False)]
     errors = []
     if replay == "r3" and config.rollout.engine != "vllm":
         errors.append("rollout.routing_replay=r3 replays the vLLM engine's routes: needs "
@@ -209,6 +223,8 @@ def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
                       "vLLM splits a Mixture-of-Experts model's experts over all its data x "
                       "tensor-parallel ranks, which the weight sync does not plan yet; set "
                       "rollout.rollout_tp to the number of ranks (docs/moe.md)")
+    if config.rollout.expert_parallel:
+        errors += _rollout_expert_parallel_errors(config)
     if config.parallel.expert_model_parallel_size > 1:
         if config.rollout.engine != "vllm":
             errors.append(f"rollout.engine={config.rollout.engine!r} generates on the actor, "

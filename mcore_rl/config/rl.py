@@ -88,6 +88,12 @@ class RolloutConfig:
     rollout_tp: int = 1
     """vLLM tensor-parallel size (consecutive ranks form an engine); must divide the world."""
 
+    expert_parallel: bool = False
+    """vLLM expert parallelism for a Mixture-of-Experts model (vLLM's enable_expert_parallel):
+    each engine rank serves num_experts / rollout_tp experts whole instead of a 1/rollout_tp
+    slice of every expert, and the weight sync sends each rank only the experts it serves.
+    The experts must divide over the engine's ranks."""
+
     prompts_per_step: int = 8
     """Prompts per RL step over all data-parallel ranks; each gets `sampling.n` responses."""
 

@@ -78,11 +78,25 @@ def _largest_rollout_shard(rollout: RolloutLayout, element_size: int) -> int:
     return largest * element_size
 
 
+def rollout_weight_bytes(rollout: RolloutLayout, element_size: int) -> int:
+    """The most weight bytes any rank's engine holds (ranks with equal shard keys hold the
+    same shards)."""
+    shapes = sharding.canonical_param_shapes(rollout.model)
+    per_key = {}
+    for rank in rollout.ranks:
+        key = rollout.shard_key(rank)
+        if key not in per_key:
+            per_key[key] = sum(math.prod(spec.shape(shapes[source]))
+                               for source, spec in rollout.wanted(rank).items())
+    return max(per_key.values()) * element_size
+
+
 def estimate(training: TrainingLayout, engine: str, rollout_tp: int,
-             dtype: torch.dtype, links: Links = Links(),
-             bucket_bytes: int = 512 * 1024 ** 2) -> tuple[RolloutLayout, list[Estimate]]:
+             dtype: torch.dtype, links: Links = Links(), bucket_bytes: int = 512 * 1024 ** 2,
+             expert_parallel: bool = False) -> tuple[RolloutLayout, list[Estimate]]:
     """The rollout layout chosen and the three strategies' estimates."""
-    rollout = make_rollout_layout(training, engine, rollout_tp, links.gpus_per_node)
+    rollout = make_rollout_layout(training, engine, rollout_tp, links.gpus_per_node,
+                                  expert_parallel=expert_parallel)
     plan = build_plan(training, rollout, dtype, links.gpus_per_node)
     element = plan.element_size
     world = training.world_size
@@ -109,6 +123,9 @@ class Production:
     training: TrainingLayout
     rollout: RolloutLayout
     estimates: list[Estimate]
+    rollout_weight_bytes: int
+    """The most weight bytes one rollout rank's engine holds (its shards, vocabulary padding
+    included)."""
     default_order_received: float
     """The busiest rank's bytes with Megatron's default rank order instead."""
 
@@ -116,22 +133,27 @@ class Production:
 def production_estimate(model, tp: int, pp: int, dp: int, engine: str, rollout_tp: int,
                         dtype: torch.dtype, links: Links = Links(),
                         bucket_bytes: int = 512 * 1024 ** 2, ep: int = 1,
-                        etp: int | None = None) -> Production:
+                        etp: int | None = None,
+                        rollout_expert_parallel: bool = False) -> Production:
     """The estimates for the training rank order the trainer picks (for vLLM; other engines
     keep Megatron's default order and plan their own grouping). ep: expert-parallel size;
-    etp: expert tensor-parallel size (None: TP)."""
+    etp: expert tensor-parallel size (None: TP); rollout_expert_parallel: vLLM's expert
+    parallelism."""
     order = DEFAULT_ORDER
     if engine == "vllm":
         order = choose_training_order(model, tp, pp, dp, rollout_tp, links.gpus_per_node, ep,
-                                      etp)
+                                      etp, rollout_expert_parallel)
     training = TrainingLayout(model, tp, pp, dp, order, ep, etp)
-    rollout, estimates = estimate(training, engine, rollout_tp, dtype, links, bucket_bytes)
+    rollout, estimates = estimate(training, engine, rollout_tp, dtype, links, bucket_bytes,
+                                  rollout_expert_parallel)
     default_received = estimates[0].max_received
     if order != DEFAULT_ORDER:
         default_received = estimate(TrainingLayout(model, tp, pp, dp, DEFAULT_ORDER, ep, etp),
-                                    engine, rollout_tp, dtype, links,
-                                    bucket_bytes)[1][0].max_received
-    return Production(training, rollout, estimates, default_received)
+                                    engine, rollout_tp, dtype, links, bucket_bytes,
+                                    rollout_expert_parallel)[1][0].max_received
+    return Production(training, rollout, estimates,
+                      rollout_weight_bytes(rollout, torch.tensor([], dtype=dtype).element_size()),
+                      default_received)
 
 
 def _gib(value: float) -> str:
@@ -141,12 +163,13 @@ def _gib(value: float) -> str:
 def table_header() -> list[str]:
     """The table's header lines (Markdown); the training layout column is TPxPPxDP, with xEP
     appended when experts are split over expert-parallel ranks (and xETP when the experts'
-    tensor-parallel size is not TP's)."""
-    return ["| GPUs | training TPxPPxDP[xEP] | rollout TPxDP | max GiB received: ours / "
+    tensor-parallel size is not TP's); the rollout column is TPxDP, with xEP when vLLM's expert
+    parallelism serves each rank's experts whole."""
+    return ["| GPUs | training TPxPPxDP[xEP] | rollout TPxDP[xEP] | max GiB received: ours / "
             "full-gather / lower bound | ours / full-gather | est. s: ours / full-gather | "
             "peak extra GiB: ours / full-gather | rank order | ours with Megatron's default "
-            "order: max GiB |",
-            "|---:|---|---|---|---:|---|---|---|---:|"]
+            "order: max GiB | rollout weights GiB per GPU |",
+            "|---:|---|---|---|---:|---|---|---|---:|---:|"]
 
 
 def _training_dims(training: TrainingLayout) -> str:
@@ -161,10 +184,13 @@ def table_row(production: Production) -> str:
     """One Markdown row of `table_header`'s table."""
     training, rollout = production.training, production.rollout
     ours, full, lower = production.estimates
+    rollout_dims = f"{rollout.tp}x{rollout.dp}" + (
+        f"xEP{rollout.world_size}" if rollout.expert_parallel else "")
     return (f"| {training.world_size} | {_training_dims(training)} | "
-            f"{rollout.tp}x{rollout.dp} | {_gib(ours.max_received)} / "
+            f"{rollout_dims} | {_gib(ours.max_received)} / "
             f"{_gib(full.max_received)} / {_gib(lower.max_received)} | "
             f"{ours.max_received / full.max_received:.2f} | "
             f"{ours.seconds:.2f} / {full.seconds:.2f} | "
             f"{_gib(ours.peak_extra)} / {_gib(full.peak_extra)} | {training.megatron_order} | "
-            f"{_gib(production.default_order_received)} |")
+            f"{_gib(production.default_order_received)} | "
+            f"{_gib(production.rollout_weight_bytes)} |")

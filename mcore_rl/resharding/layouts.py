@@ -391,6 +391,11 @@ class RolloutLayout:
     """The module holding an MoE layer's router and experts in the engine's names (vLLM's
     Mixtral: block_sparse_moe)."""
 
+    expert_parallel: bool = False
+    """vLLM's expert parallelism: engine rank dp_rank x TP + tp_rank of DP x TP holds that
+    block of the experts whole (slots numbered locally, as vLLM's linear placement), instead
+    of a TP slice of every expert."""
+
     @property
     def world_size(self) -> int:
         """Ranks that run the engine."""
@@ -410,8 +415,17 @@ class RolloutLayout:
         nothing on a rank that runs no engine)."""
         if rank not in self.ranks:
             return {}
-        return _rollout_wanted(self.model, self.engine, self.tp,
-                               self.tp_rank_of[rank - self.first_rank], self.moe_block)
+        return _rollout_wanted(self.model, self.engine, self.tp, *self.shard_key(rank),
+                               self.moe_block)
+
+    def shard_key(self, rank: int) -> tuple[int, tuple[int, int] | None]:
+        """What decides engine rank ``rank``'s shards: its TP rank and, with expert
+        parallelism, its (EP size, EP rank) in vLLM's flattened DP x TP numbering."""
+        index = rank - self.first_rank
+        tp_rank = self.tp_rank_of[index]
+        if not self.expert_parallel:
+            return tp_rank, None
+        return tp_rank, (self.world_size, self.dp_rank_of[index] * self.tp + tp_rank)
 
     def group_ranks(self) -> list[list[int]]:
         """Job ranks of every rollout TP group, by DP rank, each in TP-rank order."""
@@ -423,11 +437,17 @@ class RolloutLayout:
 
 @functools.lru_cache(maxsize=4096)
 def _rollout_wanted(model: ModelConfig, engine: str, tp: int, tp_rank: int,
-                    moe_block: str) -> dict[str, ShardSpec]:
+                    experts: tuple[int, int] | None, moe_block: str) -> dict[str, ShardSpec]:
+    """experts: (EP size, EP rank) of vLLM's expert parallelism, None without it."""
     wanted = {}
+    served = _served_experts(model, *experts) if experts else {}
     for source, shape in sharding.canonical_param_shapes(model).items():
         dim = split_dim(source)
-        if engine == "full":
+        if experts and sharding.expert_of(source) is not None:
+            if source in served:
+                wanted[source] = ShardSpec(vllm_name(served[source], moe_block), source, dim,
+                                           ((0, shape[dim]),))
+        elif engine == "full":
             wanted[source] = ShardSpec(source, source, dim, ((0, shape[dim]),))
         elif engine == "vllm":
             pieces, padding = vllm_pieces(source, model, tp, tp_rank)
@@ -437,6 +457,15 @@ def _rollout_wanted(model: ModelConfig, engine: str, tp: int, tp_rank: int,
             pieces, padding = megatron_pieces(source, model, tp, tp_rank)
             wanted[source] = ShardSpec(source, source, dim, pieces, padding)
     return wanted
+
+
+def _served_experts(model: ModelConfig, ep_size: int, ep_rank: int) -> dict[str, str]:
+    """Canonical expert tensor -> its name with the local slot index, for the experts vLLM's
+    expert-parallel rank ``ep_rank`` of ``ep_size`` serves (its linear placement: a block of
+    num_experts / ep_size, like Megatron's EP)."""
+    local_names = sharding.stage_params(model, 1, 0, "lm", ep_size, ep_rank)
+    return {canonical: local for local, canonical in local_names.items()
+            if sharding.expert_of(canonical) is not None}
 
 
 def rollout_errors(model: ModelConfig, engine: str, tp: int, world_size: int) -> list[str]:

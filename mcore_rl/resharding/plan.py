@@ -311,7 +311,9 @@ def _plan_param(training: TrainingLayout, rollout: RolloutLayout, source: str,
     remote, local = [], []
     sent_rows: dict[int, int] = {}
     for dst in rollout.ranks:
-        wanted = rollout.wanted(dst)[source]
+        wanted = rollout.wanted(dst).get(source)  # None: an expert the rank does not serve
+        if wanted is None:
+            continue
         for start, stop, offset in wanted.placed_pieces():
             for run in _runs_for_piece((start, stop), offset, holdings, dst, gpus_per_node,
                                        source, sent_rows):
@@ -384,13 +386,19 @@ def _planned_grouping(training: TrainingLayout, engine: str, tp: int,
 
 def make_rollout_layout(training: TrainingLayout, engine: str, tp: int,
                         gpus_per_node: int = 8, rollout_ranks: int = 0,
-                        moe_block: str = "mlp") -> RolloutLayout:
+                        moe_block: str = "mlp", expert_parallel: bool = False) -> RolloutLayout:
     """The rollout layout. Colocated (``rollout_ranks`` 0): over the training ranks, with vLLM's
     fixed consecutive grouping, or for the other engines the grouping that overlaps the training
     shards most. Split: over ``rollout_ranks`` ranks after the training ranks, consecutive
-    groups (they hold no training shard to overlap). moe_block: `RolloutLayout.moe_block`."""
+    groups (they hold no training shard to overlap). moe_block, expert_parallel: the
+    `RolloutLayout` fields."""
     engine_ranks = rollout_ranks or training.world_size
     errors = training.errors() + rollout_errors(training.model, engine, tp, engine_ranks)
+    experts = training.model.moe.num_experts
+    if expert_parallel and (engine != "vllm" or not experts or experts % engine_ranks):
+        errors.append(f"rollout expert parallelism (vLLM's, over all {engine_ranks} engine ranks)"
+                      f" needs the vllm engine and model.moe.num_experts={experts} divisible by "
+                      f"the engine ranks")
     if errors:
         raise PlanError("cannot reshard: " + "; ".join(errors))
     if engine == "megatron" and not rollout_ranks:
@@ -399,7 +407,7 @@ def make_rollout_layout(training: TrainingLayout, engine: str, tp: int,
         tp_rank_of, dp_rank_of = consecutive_grouping(engine_ranks, tp)
     first_rank = training.world_size if rollout_ranks else 0
     return RolloutLayout(training.model, engine, tp, tp_rank_of, dp_rank_of, first_rank,
-                         moe_block)
+                         moe_block, expert_parallel)
 
 
 def build_plan(training: TrainingLayout, rollout: RolloutLayout, dtype: torch.dtype,
@@ -438,7 +446,7 @@ def lower_bound_received(training: TrainingLayout, rollout: RolloutLayout,
     lower = np.zeros(job_world_size(training, rollout), np.int64)
     for rank in rollout.ranks:
         holding = training.holding(rank) if rank < training.world_size else None
-        key = (holding, rollout.tp_rank_of[rank - rollout.first_rank])
+        key = (holding, rollout.shard_key(rank))
         if key not in cache:
             cache[key] = lacking_elements(training, rollout, rank)
         lower[rank] = cache[key]

@@ -51,11 +51,12 @@ def tp_groups_within_nodes(training: TrainingLayout, ranks_per_node: int) -> boo
 
 def order_choices(model: ModelConfig, tp: int, pp: int, dp: int, rollout_tp: int,
                   ranks_per_node: int, element_size: int = 2,
-                  ep: int = 1, etp: int | None = None) -> list[OrderChoice]:
+                  ep: int = 1, etp: int | None = None,
+                  rollout_expert_parallel: bool = False) -> list[OrderChoice]:
     """Every eligible order with its per-rank bytes into vLLM's layout, the default first.
     Dimensions of size 1 keep their default place (where they stand changes nothing). ep:
     expert-parallel size (EP ranks follow the DP coordinate wherever DP stands); etp: expert
-    tensor-parallel size (None: TP)."""
+    tensor-parallel size (None: TP); rollout_expert_parallel: vLLM's expert parallelism."""
     sizes = {"tp": tp, "pp": pp, "dp": dp}
     movable = [name for name in DEFAULT_ORDER if sizes[name] > 1]
     choices = []
@@ -65,7 +66,8 @@ def order_choices(model: ModelConfig, tp: int, pp: int, dp: int, rollout_tp: int
         training = TrainingLayout(model, tp, pp, dp, order, ep, etp)
         if order != DEFAULT_ORDER and not tp_groups_within_nodes(training, ranks_per_node):
             continue
-        rollout = make_rollout_layout(training, "vllm", rollout_tp)
+        rollout = make_rollout_layout(training, "vllm", rollout_tp,
+                                      expert_parallel=rollout_expert_parallel)
         choices.append(OrderChoice(order, lower_bound_received(training, rollout,
                                                                element_size)))
     return choices
@@ -73,8 +75,10 @@ def order_choices(model: ModelConfig, tp: int, pp: int, dp: int, rollout_tp: int
 
 def choose_training_order(model: ModelConfig, tp: int, pp: int, dp: int, rollout_tp: int,
                           ranks_per_node: int, ep: int = 1,
-                          etp: int | None = None) -> tuple[str, ...]:
+                          etp: int | None = None,
+                          rollout_expert_parallel: bool = False) -> tuple[str, ...]:
     """The eligible order whose busiest rank receives the fewest sync bytes (the first listed,
     Megatron's default, on ties: another order is taken only for a real gain)."""
-    choices = order_choices(model, tp, pp, dp, rollout_tp, ranks_per_node, ep=ep, etp=etp)
+    choices = order_choices(model, tp, pp, dp, rollout_tp, ranks_per_node, ep=ep, etp=etp,
+                            rollout_expert_parallel=rollout_expert_parallel)
     return min(choices, key=lambda choice: int(choice.received.max())).order

@@ -227,7 +227,8 @@ def with_rank_order(config: JobConfig, ranks_per_node: int, world_size: int) -> 
         order = choose_training_order(config.model, tp, pp, world_size // (tp * pp),
                                       config.rollout.rollout_tp, ranks_per_node,
                                       parallel.expert_model_parallel_size,
-                                      parallel.expert_tensor_parallel_size)
+                                      parallel.expert_tensor_parallel_size,
+                                      config.rollout.expert_parallel)
     return dataclasses.replace(config, parallel=dataclasses.replace(
         parallel, rank_order="-".join(order)))
 
@@ -272,7 +273,8 @@ def weight_plan(config: JobConfig, training: TrainingLayout,
     moe_layout = hf_architecture(config).moe
     rollout = make_rollout_layout(training, weight_layout, config.rollout.rollout_tp,
                                   rollout_ranks=config.placement.rollout_ranks,
-                                  moe_block=moe_layout.block if moe_layout else "mlp")
+                                  moe_block=moe_layout.block if moe_layout else "mlp",
+                                  expert_parallel=config.rollout.expert_parallel)
     return build_plan(training, rollout, DTYPES[config.runtime.precision])
 
 
@@ -296,7 +298,8 @@ def build_vllm_engine(config: JobConfig, context: int, plan: ReshardPlan,
                         gpu_memory_utilization=rollout.gpu_memory_utilization,
                         cuda_graphs=rollout.cuda_graphs, sleep_level=rollout.sleep_level,
                         timeout_minutes=config.runtime.collective_timeout_minutes,
-                        weight_layout=weight_layout, capture_routes=config.model.moe.enabled)
+                        weight_layout=weight_layout, capture_routes=config.model.moe.enabled,
+                        expert_parallel=plan.rollout.expert_parallel)
     resharder = Resharder(plan, rollout.sync_bucket_mb * 2 ** 20, transport)
     if weight_layout == "vllm":
         engine.check_plan(plan.wanted_shapes(resharder.rank), plan.dtype)

@@ -76,7 +76,8 @@ class VllmEngine(RolloutEngine):
                  tokenizer_dir: str | None = None, dummy_weights: bool = True, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
                  sleep_level: int = 2, timeout_minutes: float = 10.0,
-                 weight_layout: str = "vllm", capture_routes: bool = False):
+                 weight_layout: str = "vllm", capture_routes: bool = False,
+                 expert_parallel: bool = False):
         """model_dir: an HF folder (config.json; weights only when dummy_weights=False).
         tokenizer_dir: needed for stop strings (None: vLLM starts without a tokenizer).
         dummy_weights: start from placeholder weights, to be replaced by update_weights before
@@ -87,7 +88,8 @@ class VllmEngine(RolloutEngine):
         the trainer sends) or "full" (diagnostic: full tensors on every rank). capture_routes:
         a Mixture-of-Experts model's completions carry the experts each token went to
         (`Completion.routed_experts`); the routers report them to Python hooks, which CUDA
-        graphs would skip, so decoding then runs without them."""
+        graphs would skip, so decoding then runs without them. expert_parallel: vLLM's expert
+        parallelism (each rank serves its block of the experts whole)."""
         if weight_layout not in ("vllm", "full"):
             raise ValueError(f"weight_layout={weight_layout!r} must be 'vllm' or 'full'")
         if weight_layout == "full" and model.moe.enabled:
@@ -120,6 +122,8 @@ class VllmEngine(RolloutEngine):
         self.shard_key = default_shard_key()
         if not torch.cuda.is_available():
             cpu_compat.name_vllm_cpu_segments_per_job(_job_name())
+            if expert_parallel:
+                cpu_compat.serve_local_experts_in_vllm_cpu_kernel()
         self.llm, problems = _start_llm(
             model=model_dir, tokenizer=tokenizer_dir or model_dir,
             skip_tokenizer_init=tokenizer_dir is None, dtype=VLLM_DTYPES[dtype],
@@ -132,6 +136,7 @@ class VllmEngine(RolloutEngine):
             kv_cache_memory_bytes=_cpu_kv_cache_bytes(model, rollout_tp, context_length, dtype,
                                                       gpu_memory_utilization),
             enable_sleep_mode=self._sleep_mode, enable_prefix_caching=False,
+            enable_expert_parallel=expert_parallel,
             # The route capture reads each step's fed tokens from the runner's host copy, which
             # async scheduling (vLLM's default for external_launcher on GPUs) leaves stale.
             **({"async_scheduling": False} if capture_routes and model.moe.enabled else {}))

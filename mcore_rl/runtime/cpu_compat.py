@@ -39,6 +39,9 @@ PATCHES = {
     "sizes: host tensors were left as tensors, which all_to_all_single refuses",
     "torch.cuda stand-ins again after vLLM's CPU worker started": "vLLM replaces them with "
     "placeholders whose record_event returns None, on which the MoE token dispatcher waits",
+    "vllm CPUUnquantizedExperts.apply with an expert_map": "vLLM's expert parallelism on CPUs "
+    "(vllm_engine, CPU only): the CPU kernel indexes its local experts by global expert ids "
+    "and reads past them (SIGSEGV); ids become local slots, other experts' weights 0",
     "torch._dynamo.config.disable (torch.compile'd functions run as written)": "vLLM's sampler "
     "ops (batched_count_greater_than for every log-prob): inductor builds them with the C++ "
     "compiler in every process, about 7 s at each engine's first generate",
@@ -150,6 +153,31 @@ def name_vllm_cpu_segments_per_job(job: str) -> None:
 
     make_group_name._vllm_original = original
     shm.make_group_name = staticmethod(make_group_name)
+
+
+def serve_local_experts_in_vllm_cpu_kernel() -> None:
+    """vLLM's CPU fused-MoE kernel ignores the expert map of expert parallelism: it takes the
+    routers' global expert ids as indices into the rank's local experts (out of bounds for
+    every expert another rank serves). Map them to local slots first and give the experts this
+    rank does not serve weight 0: each rank then adds its own experts' share, and vLLM's
+    all-reduce over the expert-parallel ranks sums them, as the GPU kernels do."""
+    if torch.cuda.is_available():
+        raise RuntimeError("serve_local_experts_in_vllm_cpu_kernel is for vLLM's CPU backend only")
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    original = getattr(CPUUnquantizedExperts.apply, "_vllm_original",
+                       CPUUnquantizedExperts.apply)
+
+    def apply(self, *, topk_weights, topk_ids, expert_map, **kwargs):
+        if expert_map is not None:
+            local = expert_map[topk_ids.long()]
+            topk_weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
+            topk_ids = local.clamp(min=0).to(topk_ids.dtype)
+        return original(self, topk_weights=topk_weights, topk_ids=topk_ids,
+                        expert_map=expert_map, **kwargs)
+
+    apply._vllm_original = original
+    CPUUnquantizedExperts.apply = apply
 
 
 def _run_compiled_functions_as_written() -> None:
