@@ -30,8 +30,8 @@ parallelism) wants half of all 4 from each (runtime/layout.py places them): each
 vLLM's fused `w13_weight`/`w2_weight` come half from itself, half from the other rank, and
 vLLM-CPU pads the experts' FFN (32 / TP2 = 16) to 32 and repacks them. (vLLM repacks experts
 only at start-up: without the sync re-running the repack, the kernel refuses the unpadded
-weights, and at TP1 an updated model's log-probs come out wrong.) Each TP rank replays the engine's routes of its chunk
-of the sequence, with the same bounds.
+weights, and at TP1 an updated model's log-probs come out wrong.) Each TP rank replays the
+engine's routes of its chunk of the sequence, with the same bounds.
 """
 
 
