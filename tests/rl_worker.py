@@ -281,8 +281,9 @@ def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
 
 
 def _stream_and_count_held_routes(engine, prompts, sampling) -> int:
-    """Generate through the engine's streaming interface (as multi-turn episodes do), then the
-    number of engine steps whose MoE routes the engine still holds."""
+    """Generate through the engine's streaming interface (as multi-turn episodes and split
+    placement do), then the number of engine steps and requests whose MoE routes the engine
+    still holds."""
     from mcore_rl.rollout import SampleRequest
 
     seeded = dataclasses.replace(sampling, seed=1)
@@ -291,7 +292,7 @@ def _stream_and_count_held_routes(engine, prompts, sampling) -> int:
                          for index, prompt in enumerate(prompts[:4])])
     while engine.has_unfinished():
         engine.step()
-    return engine.llm.collective_rpc(_held_route_steps)[0]
+    return engine.llm.collective_rpc(_held_route_steps)[0] + len(engine._stream_routes)
 
 
 def _held_route_steps(worker) -> int:

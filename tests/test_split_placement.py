@@ -64,8 +64,17 @@ def staleness_of(seen: list[dict]) -> list[int]:
     return [entry["step"] - versions[0][1] for entry in seen for versions in entry["versions"]]
 
 
-def test_synchronous_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
-    common = ["trainer.total_steps=3", "trainer.eval_every=3"]
+MOE_R3 = ["model.qk_norm=true", "model.moe.num_experts=4", "model.moe.ffn_hidden_size=32",
+          "model.moe.router_topk=2",
+          "model.moe.dense_layers=[0]", "rollout.routing_replay=r3"]
+"""A Qwen3-MoE-like model whose trainers replay the routes vLLM took on the rollout rank."""
+
+
+@pytest.mark.parametrize("model", [[], MOE_R3], ids=["dense", "moe-r3"])
+def test_synchronous_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir, model):
+    """The routes of a Mixture-of-Experts model's responses travel with them from the rollout
+    rank (moe/routes_replayed 1.0, the trainer's routers agreeing with vLLM's)."""
+    common = ["trainer.total_steps=3", "trainer.eval_every=3", *model]
     colocated = run_job(tmp_path / "colocated", tokenizer_dir, 1, common)
     split = run_job(tmp_path / "split", tokenizer_dir, 2, common + ["placement.rollout_ranks=1"])
     assert split[1]["exit_code"] == 0
@@ -76,6 +85,10 @@ def test_synchronous_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
     assert evaluations(tmp_path / "split" / "run") == evaluations(tmp_path / "colocated" / "run")
     assert split[0]["history"][-1]["reshard/bytes_received_max"] == \
         split[0]["history"][-1]["reshard/lower_bound_bytes"] > 0
+    for step in split[0]["history"]:
+        assert step["rollout/logprob_abs_diff_max"] <= 1e-4
+        if model:
+            assert step["moe/routes_replayed"] == 1.0 == step["moe/router_agreement"]
 
 
 def test_multi_turn_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):

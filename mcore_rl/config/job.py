@@ -214,9 +214,6 @@ def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
     if replay == "r3" and config.rollout.engine != "vllm":
         errors.append("rollout.routing_replay=r3 replays the vLLM engine's routes: needs "
                       "rollout.engine=vllm")
-    if config.placement.split:
-        errors.append(f"placement.rollout_ranks={config.placement.rollout_ranks}: split "
-                      "placement with a Mixture-of-Experts model is not built yet (docs/moe.md)")
     engine_ranks = config.placement.engine_ranks(world_size)
     if config.rollout.engine == "vllm" and engine_ranks > config.rollout.rollout_tp:
         errors.append(f"rollout.rollout_tp={config.rollout.rollout_tp} on {engine_ranks} ranks: "

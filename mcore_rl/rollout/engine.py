@@ -172,6 +172,8 @@ class FinishedSample:
     """As in Completion: the log-prob each token was sampled with (whatever weights the engine
     held when it sampled that token)."""
     finish_reason: str
+    routed_experts: Optional[torch.Tensor] = None
+    """As in Completion: the experts each fed token went to, when the engine captures routes."""
 
 
 class RolloutEngine(abc.ABC):

@@ -108,6 +108,8 @@ class VllmEngine(RolloutEngine):
         """Shard names (in the checked plan's order) after which a layer has all its weights."""
         self._calls = 0
         self._streams: dict[str, tuple[list[int], list[float]]] = {}
+        self._stream_routes: dict[str, dict[int, tuple]] = {}
+        """Routes of streamed requests in flight: position -> (fed token, route)."""
         """Streamed requests in flight: their tokens and log-probs so far."""
         self._sleeping = False
         self._weights_mapped = True
@@ -241,8 +243,11 @@ class VllmEngine(RolloutEngine):
     def step(self) -> list[FinishedSample]:
         finished = []
         outputs = self.llm.llm_engine.step()
-        if self._moe_layers:  # streamed responses carry no routes: keep none of this step's
-            self.llm.collective_rpc(_drop_routes)
+        if self._moe_layers:  # this step's routes join their requests' (until they finish)
+            for internal, seen in self.llm.collective_rpc(_taken_routes_by_request)[0].items():
+                key = _external_request_id(internal)
+                if key in self._streams:
+                    self._stream_routes.setdefault(key, {}).update(seen)
         for output in outputs:
             if output.request_id not in self._streams:
                 continue  # aborted after this step's outputs were made
@@ -253,9 +258,11 @@ class VllmEngine(RolloutEngine):
                             for entry, token in zip(delta.logprobs, delta.token_ids))
             if output.finished:
                 del self._streams[output.request_id]
+                routes = _in_order(self._stream_routes.pop(output.request_id, {}))
                 finished.append(FinishedSample(
                     output.request_id, token_ids, logprobs,
-                    "length" if delta.finish_reason == "length" else "stop"))
+                    "length" if delta.finish_reason == "length" else "stop",
+                    routes[1] if routes else None))
         return finished
 
     def generated_lengths(self) -> dict[str, int]:
@@ -263,6 +270,8 @@ class VllmEngine(RolloutEngine):
 
     def abort(self, keys: Iterable[str]) -> None:
         keys = [key for key in keys if self._streams.pop(key, None) is not None]
+        for key in keys:
+            self._stream_routes.pop(key, None)
         if keys:
             self.llm.llm_engine.abort_request(keys)
 
@@ -440,6 +449,12 @@ class _RouteCapture:
 
     def take(self) -> dict[tuple, torch.Tensor]:
         """Routes of every request whose every token was seen, by its fed tokens; forgets all."""
+        ordered = (_in_order(seen) for seen in self.take_by_request().values())
+        return {tokens: routes for tokens, routes in filter(None, ordered)}
+
+    def take_by_request(self) -> dict[str, dict[int, tuple[int, torch.Tensor]]]:
+        """The kept steps' routes by request id and position: (fed token, route); forgets
+        them."""
         by_request: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}
         for request_ids, starts, tokens, positions, by_slot in self.steps:
             routes = torch.stack([by_slot[slot] for slot in range(len(self.slots))], dim=1).cpu()
@@ -449,13 +464,22 @@ class _RouteCapture:
                 for row in range(starts[index], starts[index + 1]):
                     seen[positions[row]] = (tokens[row], routes[row])
         self.steps = []
-        result = {}
-        for seen in by_request.values():
-            if len(seen) == max(seen) + 1:
-                ordered = [seen[position] for position in range(len(seen))]
-                result[tuple(token for token, _ in ordered)] = torch.stack(
-                    [route for _, route in ordered])
-        return result
+        return by_request
+
+
+def _external_request_id(internal: str) -> str:
+    """The id a request was added with, from the id vLLM's model runner knows it by (vLLM
+    appends "-" and 8 random characters: `InputProcessor.assign_request_id`)."""
+    return internal[:-9] if len(internal) > 9 and internal[-9] == "-" else internal
+
+
+def _in_order(seen: dict[int, tuple[int, torch.Tensor]]) -> tuple[tuple, torch.Tensor] | None:
+    """(fed tokens, routes [tokens, MoE layers, k]) of one request whose every position was
+    seen (from 0); None when some were not (or none)."""
+    if not seen or len(seen) != max(seen) + 1:
+        return None
+    ordered = [seen[position] for position in range(len(seen))]
+    return tuple(token for token, _ in ordered), torch.stack([route for _, route in ordered])
 
 
 def _capture_routes(worker, moe_layers: list[int]) -> None:
@@ -473,8 +497,8 @@ def _taken_routes(worker) -> dict[tuple, torch.Tensor]:
     return worker.mcore_rl_routes.take()
 
 
-def _drop_routes(worker) -> None:
-    worker.mcore_rl_routes.steps = []
+def _taken_routes_by_request(worker) -> dict[str, dict[int, tuple[int, torch.Tensor]]]:
+    return worker.mcore_rl_routes.take_by_request()
 
 
 def _refresh_tied_head(worker, tied_head: str | None) -> None:

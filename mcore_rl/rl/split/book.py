@@ -115,7 +115,7 @@ class InstanceBook:
         group = share.finished.setdefault(request.prompt_position, {})
         group[request.sample_index] = Completion(
             request.prompt_position, request.sample_index, sample.token_ids, sample.logprobs,
-            sample.finish_reason, tuple(response.versions))
+            sample.finish_reason, tuple(response.versions), sample.routed_experts)
         if len(group) == share.samples_per_prompt:
             return response.share, request.prompt_position
         return None
