@@ -2,7 +2,8 @@
 others only train, both at once, weights going over the bridge after every update.
 
 - k = 0 is synchronous and on-policy: its steps equal a colocated run's, number for number
-  (same prompts, same seeds, the same weights in vLLM), also with multi-turn episodes.
+  (same prompts, same seeds, the same weights in vLLM), on a Mixture-of-Experts model with the
+  engine's routes replayed (r3), and with multi-turn episodes.
 - k = 1 learns the toy task, and every response it trains on was started at most one version
   before the step (read from the versions recorded per response), some exactly one.
 - Responses in flight at a weight update continue (each stretch's version recorded, in order)
@@ -70,11 +71,11 @@ MOE_R3 = ["model.qk_norm=true", "model.moe.num_experts=4", "model.moe.ffn_hidden
 """A Qwen3-MoE-like model whose trainers replay the routes vLLM took on the rollout rank."""
 
 
-@pytest.mark.parametrize("model", [[], MOE_R3], ids=["dense", "moe-r3"])
-def test_synchronous_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir, model):
-    """The routes of a Mixture-of-Experts model's responses travel with them from the rollout
-    rank (moe/routes_replayed 1.0, the trainer's routers agreeing with vLLM's)."""
-    common = ["trainer.total_steps=3", "trainer.eval_every=3", *model]
+def test_synchronous_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
+    """On a Mixture-of-Experts model (its first layer dense, so the dense path runs too) with
+    r3: the routes of its responses travel with them from the rollout rank
+    (moe/routes_replayed 1.0, the trainer's routers agreeing with vLLM's)."""
+    common = ["trainer.total_steps=3", "trainer.eval_every=3", *MOE_R3]
     colocated = run_job(tmp_path / "colocated", tokenizer_dir, 1, common)
     split = run_job(tmp_path / "split", tokenizer_dir, 2, common + ["placement.rollout_ranks=1"])
     assert split[1]["exit_code"] == 0
@@ -87,8 +88,7 @@ def test_synchronous_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir, m
         split[0]["history"][-1]["reshard/lower_bound_bytes"] > 0
     for step in split[0]["history"]:
         assert step["rollout/logprob_abs_diff_max"] <= 1e-4
-        if model:
-            assert step["moe/routes_replayed"] == 1.0 == step["moe/router_agreement"]
+        assert step["moe/routes_replayed"] == 1.0 == step["moe/router_agreement"]
 
 
 def test_multi_turn_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
