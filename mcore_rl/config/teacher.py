@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .model import InitConfig
+from .parallel import expert_grid_errors
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,11 @@ class TeacherParallelConfig:
     pipeline_model_parallel_size: int = 0
     """Ranks that split the teacher's layers into stages; 0: the student's
     parallel.pipeline_model_parallel_size."""
+
+    expert_model_parallel_size: int = 1
+    """Ranks that split a Mixture-of-Experts teacher's experts (its own EP, whatever the
+    student's; its experts' tensor-parallel size is the teacher's TP). Must divide the teacher's
+    data-parallel size and its number of experts."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,12 @@ class TeacherConfig:
         if self.micro_batch_size < 0:
             errors.append(f"teacher.micro_batch_size={self.micro_batch_size} must be >= 0")
         tp, pp = self.layout(student_tp, student_pp)
+        ep = self.parallel.expert_model_parallel_size
         if tp < 1 or pp < 1 or ranks % (tp * pp):
             errors.append(f"teacher.parallel: TP {tp} x PP {pp} must divide the {ranks} {where} "
                           f"(the teacher lives on the ranks that train)")
+        elif ep < 1:
+            errors.append(f"teacher.parallel.expert_model_parallel_size={ep} must be >= 1")
+        else:
+            errors += [f"teacher.{error}" for error in expert_grid_errors(ep, tp, ranks // pp)]
         return errors

@@ -44,7 +44,8 @@ def build_frozen_from_init(init: InitConfig, model: ModelConfig, parallel: Paral
     module = build_gpt_model(model, parallel, precision, "lm", device, random_init=False,
                              groups=groups)
     coordinates = RankCoordinates(groups.tp_size, groups.pp_size, groups.tp_rank,
-                                  groups.pp_rank, groups.dp_rank)
+                                  groups.pp_rank, groups.dp_rank, groups.ep_size, groups.ep_rank,
+                                  groups.edp_rank)
     if not load_initial_weights(module, init, model, "lm", coordinates):
         raise ValueError("a frozen model needs weights: set hf_path or checkpoint")
     for param in module.parameters():

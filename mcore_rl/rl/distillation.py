@@ -33,8 +33,11 @@ def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher
     check_teacher(config, model, tokenizer, device_memory_bytes(device))
     tp, pp = settings.layout(config.parallel.tensor_model_parallel_size,
                              config.parallel.pipeline_model_parallel_size)
-    groups = build_model_groups(tp, pp, config.runtime.collective_timeout_minutes)
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ep = settings.parallel.expert_model_parallel_size
+    groups = build_model_groups(tp, pp, config.runtime.collective_timeout_minutes, ep)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep,
+                              sequence_parallel=model.moe.enabled and tp > 1)
     module = build_frozen_from_init(settings.init, model, parallel, config.runtime.precision,
                                     groups, device)
     return Teacher(module, groups, model.vocab_size, _micro_batch_size(config),
@@ -51,9 +54,8 @@ def check_teacher(config: JobConfig, model, tokenizer, available: int) -> None:
     tp, pp = settings.layout(config.parallel.tensor_model_parallel_size,
                              config.parallel.pipeline_model_parallel_size)
     micro_batch_size = _micro_batch_size(config)
-    problems = [f"the teacher's {problem}" for problem in model.check(tp, pp)]
-    if model.moe.enabled:
-        problems.append("a Mixture-of-Experts teacher is not supported yet (dense teachers only)")
+    problems = [f"the teacher's {problem}" for problem in
+                model.check(tp, pp, settings.parallel.expert_model_parallel_size)]
     problems += teacher_tokenizer_problems(settings.init, tokenizer)
     trainers = dist.get_world_size()  # the default group: the trainers, also in split placement
     problems += teacher_memory_problems(config, model, micro_batch_size, available, trainers)

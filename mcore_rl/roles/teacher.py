@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mcore_rl.runtime.devices import collective_device
 from mcore_rl.runtime.model_groups import ModelGroups
 from mcore_rl.runtime.regroup import gather_shares, one_share_per_key
 from mcore_rl.training import compute_outputs
@@ -53,7 +54,8 @@ class Teacher:
                                  self.groups.model_parallel)
         if self.offload:
             self.module.to(self.device)
-        scored = whole_micro_batches(pooled, self.micro_batch_size)
+        scored = whole_micro_batches(pooled, self.micro_batch_size, self._expert_group_rows(
+            pooled["input_ids"].shape[0]))
         logprobs = compute_outputs([self.module], scored, self.micro_batch_size, "lm",
                                    self.vocab_size, self.temperature,
                                    groups=self.groups)["logprobs"]
@@ -62,12 +64,25 @@ class Teacher:
         return logprobs[rows, :inputs["input_ids"].shape[1]]
 
 
-def whole_micro_batches(inputs: dict[str, torch.Tensor], micro_batch_size: int
-                        ) -> dict[str, torch.Tensor]:
+    def _expert_group_rows(self, rows: int) -> int:
+        """The most rows any rank of this rank's expert group scores: with experts split
+        (a Mixture-of-Experts teacher at EP > 1) every forward exchanges tokens among the
+        group, so its ranks must run equally many micro-batches."""
+        if self.groups.ep_size == 1:
+            return rows
+        most = torch.tensor([rows], device=collective_device(self.groups.collection.ep))
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.groups.collection.ep)
+        return int(most.item())
+
+
+def whole_micro_batches(inputs: dict[str, torch.Tensor], micro_batch_size: int,
+                        at_least: int = 0) -> dict[str, torch.Tensor]:
     """`inputs` with copies of its first row appended until the rows fill whole micro-batches
-    (pooled rows need not; the copies' outputs are dropped with everything after the rows
-    asked for)."""
-    missing = -inputs["input_ids"].shape[0] % micro_batch_size
+    and number at least `at_least` (pooled rows need not; the copies' outputs are dropped with
+    everything after the rows asked for)."""
+    rows = inputs["input_ids"].shape[0]
+    missing = max(at_least - rows, 0)
+    missing += -(rows + missing) % micro_batch_size
     if not missing:
         return inputs
     return {name: torch.cat([tensor, tensor[:1].expand(missing, *tensor.shape[1:])])

@@ -30,6 +30,13 @@ class ModelGroups:
     dp_rank: int
     """This rank's replica of the model (which copy of the model its rows are scored by)."""
 
+    ep_size: int = 1
+    ep_rank: int = 0
+    """Which of a Mixture-of-Experts model's expert blocks the rank holds."""
+
+    edp_rank: int = 0
+    """Which copy of its experts the rank holds."""
+
     @property
     def model_parallel(self):
         """The ranks that hold one copy of the model together (TP x PP)."""
@@ -49,9 +56,12 @@ class ModelGroups:
         return dist.get_process_group_ranks(self.collection.pp)[-1]
 
 
-def build_model_groups(tp_size: int, pp_size: int, timeout_minutes: float) -> ModelGroups:
+def build_model_groups(tp_size: int, pp_size: int, timeout_minutes: float,
+                       ep_size: int = 1) -> ModelGroups:
     """Groups for a model at TP `tp_size` x PP `pp_size` over the current world, ranks ordered
-    as Megatron's default (TP fastest, then DP, then PP). Collective: every rank calls it."""
+    as Megatron's default (TP fastest, then DP, then PP), and a Mixture-of-Experts model's
+    expert groups: its experts split over `ep_size` consecutive data-parallel ranks, each
+    expert over the TP ranks (Megatron's tp-ep-dp-pp grid). Collective: every rank calls it."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -74,5 +84,13 @@ def build_model_groups(tp_size: int, pp_size: int, timeout_minutes: float) -> Mo
         [sorted({ranks[0], ranks[-1]}) for ranks in pipelines], **options)
     collection.pos_embd, _ = dist.new_subgroups_by_enumeration(
         [[ranks[0]] for ranks in pipelines], **options)
+    collection.tp_dp_cp = grid.create_pg(["tp", "cp", "dp"], **options)
+    experts = HyperCommGrid([tp_size, ep_size, dp_size // ep_size, pp_size],
+                            ["tp", "ep", "dp", "pp"])
+    collection.ep = experts.create_pg("ep", **options)
+    collection.expt_tp = experts.create_pg("tp", **options)
+    collection.tp_ep = experts.create_pg(["tp", "ep"], **options)
+    collection.expt_dp = experts.create_pg("dp", **options)
     return ModelGroups(collection, tp_size, pp_size, dist.get_rank(collection.tp),
-                       dist.get_rank(collection.pp), dist.get_rank(collection.dp))
+                       dist.get_rank(collection.pp), dist.get_rank(collection.dp), ep_size,
+                       dist.get_rank(collection.ep), dist.get_rank(collection.expt_dp))
