@@ -44,10 +44,11 @@ CASES = {
 }
 
 
-def build_hf_model(case: str) -> transformers.PreTrainedModel:
-    """A tiny model with random weights (norms near 1, biases non-zero)."""
+def build_hf_model(case: str, **overrides) -> transformers.PreTrainedModel:
+    """A tiny model with random weights (norms near 1, biases non-zero); `overrides` change
+    the case's config."""
     config_class, arch_name, extra = CASES[case]
-    config = config_class(**SMALL, **extra, architectures=[arch_name])
+    config = config_class(**{**SMALL, **extra, **overrides}, architectures=[arch_name])
     torch.manual_seed(sum(map(ord, case)))
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -70,9 +71,9 @@ def write_tokenizer(folder: str, vocab_size: int) -> None:
     fast.save_pretrained(folder)
 
 
-def save_hf_case(case: str, folder: str) -> transformers.PreTrainedModel:
+def save_hf_case(case: str, folder: str, **overrides) -> transformers.PreTrainedModel:
     """Write the case as an HF folder (safetensors split in two files, tokenizer)."""
-    model = build_hf_model(case)
+    model = build_hf_model(case, **overrides)
     model.save_pretrained(folder, safe_serialization=True, max_shard_size="60KB")
     write_tokenizer(folder, model.config.vocab_size)
     with open(os.path.join(folder, "config.json")) as handle:

@@ -49,7 +49,8 @@ def run_lora_parity(hf_dir: str, lora: LoraConfig, adapters: dict, layouts: list
     results = {}
     for tp, pp in layouts:
         _set_layout(tp, pp)
-        parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  sequence_parallel=model.moe.enabled and tp > 1)
         module = build_gpt_model(model, parallel, "fp32", lora=lora, seed=3)
         assert load_initial_weights(module, InitConfig(hf_path=hf_dir), model)
         trained = sorted(name for name, p in module.named_parameters() if p.requires_grad)

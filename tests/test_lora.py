@@ -1,6 +1,9 @@
 """LoRA against HF peft on the same base weights and adapters (fp32, <= 1e-5): log-probs, the
 gradient of every adapter matrix after one backward pass, the served (merged) weights against
-peft's merge_and_unload, and the base with adapters off, at TP1 and TP2 x PP2.
+peft's merge_and_unload, and the base with adapters off, at TP1 and TP2 x PP2. For a dense
+Qwen2 and a Qwen2-MoE (a dense first layer, then 4 routed experts beside a gated shared
+expert): there the adapters sit on attention, the dense layer's MLP and the shared expert's,
+the routed experts stay frozen, as peft's target modules leave transformers' fused experts.
 """
 
 import copy
@@ -9,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from hf_models import save_hf_case
+from hf_models import hf_state, save_hf_case
 from layout_worker import reference_batch
 from lora_worker import run_lora_parity
 from mcore_rl.config import ModelConfig
@@ -26,8 +29,24 @@ FUSED = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
          "linear_proj": ("self_attn", ("o_proj",)),
          "linear_fc1": ("mlp", ("gate_proj", "up_proj")),
          "linear_fc2": ("mlp", ("down_proj",))}
-MEGATRON_BLOCK = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
-                  "linear_fc1": "mlp", "linear_fc2": "mlp"}
+CASES = {"qwen2": ("Qwen2ForCausalLM", {}),
+         "qwen2_moe": ("Qwen2MoeForCausalLM", {"mlp_only_layers": [0]})}
+"""case: (architecture, config overrides)."""
+
+
+def adapted_blocks(layer) -> dict:
+    """Megatron's linear -> (its block's Megatron name, the HF module holding its parts) in one
+    HF decoder layer: attention, and the dense MLP or an MoE layer's shared expert."""
+    mlp = layer.mlp
+    blocks = {"linear_qkv": ("self_attention", layer.self_attn),
+              "linear_proj": ("self_attention", layer.self_attn)}
+    if hasattr(mlp, "shared_expert"):
+        mlp_block = ("mlp.shared_experts", mlp.shared_expert)
+    elif hasattr(mlp, "gate_proj"):
+        mlp_block = ("mlp", mlp)
+    else:
+        return blocks
+    return {**blocks, "linear_fc1": mlp_block, "linear_fc2": mlp_block}
 
 
 def peft_model(hf_model, generator):
@@ -40,8 +59,8 @@ def peft_model(hf_model, generator):
         r=LORA.rank, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules=HF_TARGETS))
     with torch.no_grad():
         for layer in model.base_model.model.model.layers:
-            for block, names in FUSED.values():
-                modules = [getattr(getattr(layer, block), name) for name in names]
+            for linear, (_, holder) in adapted_blocks(layer).items():
+                modules = [getattr(holder, name) for name in FUSED[linear][1]]
                 shared_a = 0.1 * torch.randn(modules[0].lora_A["default"].weight.shape,
                                              generator=generator)
                 for module in modules:
@@ -58,13 +77,13 @@ def canonical(peft, model: ModelConfig, tensor_of) -> dict:
     rows fused as the weight's are."""
     full = {}
     for index, layer in enumerate(peft.base_model.model.model.layers):
-        for linear, (block, names) in FUSED.items():
-            modules = [getattr(getattr(layer, block), name) for name in names]
+        for linear, (block, holder) in adapted_blocks(layer).items():
+            modules = [getattr(holder, name) for name in FUSED[linear][1]]
             a = (tensor_of(modules[0], "A") if tensor_of is _weight
                  else sum(tensor_of(module, "A") for module in modules))
             bs = [tensor_of(module, "B") for module in modules]
             b = fuse_qkv(*bs, model) if linear == "linear_qkv" else torch.cat(bs)
-            stem = f"decoder.layers.{index}.{MEGATRON_BLOCK[linear]}.{linear}"
+            stem = f"decoder.layers.{index}.{block}.{linear}"
             full[f"{stem}.lora_a"] = a
             full[f"{stem}.lora_b"] = b
     return full
@@ -76,6 +95,15 @@ def _weight(module, which):
 
 def _grad(module, which):
     return getattr(module, f"lora_{which}")["default"].weight.grad.clone()
+
+
+def merged_by_file_name(peft, hf_dir: str) -> dict:
+    """peft's merge_and_unload under the names of the HF files (transformers holds a
+    Mixture-of-Experts layer's experts fused in memory; they take no adapter, so the file's
+    per-expert tensors are the merged ones)."""
+    merged = {name.removeprefix("base_model.model."): tensor for name, tensor in
+              copy.deepcopy(peft).merge_and_unload().state_dict().items()}
+    return {name: merged.get(name, tensor) for name, tensor in hf_state(hf_dir).items()}
 
 
 def hf_policy_loss(logits, batch):
@@ -90,11 +118,11 @@ def hf_policy_loss(logits, batch):
     return loss, torch.nn.functional.pad(logp * real, (1, 0))
 
 
-@pytest.fixture(scope="module")
-def parity(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(CASES))
+def parity(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     hf_dir = str(root / "hf")
-    hf_model = save_hf_case("qwen2", hf_dir)
+    hf_model = save_hf_case(request.param, hf_dir, **CASES[request.param][1])
     model = model_config_of_hf(hf_dir)
     batch = reference_batch(model)
     peft = peft_model(hf_model, torch.Generator().manual_seed(5))
@@ -107,16 +135,17 @@ def parity(tmp_path_factory):
     reference = {"logprobs": logprobs.detach(), "loss": loss.item(),
                  "base_logprobs": hf_policy_loss(base_logits, batch)[1],
                  "grads": canonical(peft, model, _grad),
-                 "merged": copy.deepcopy(peft).merge_and_unload().state_dict()}
+                 "merged": merged_by_file_name(peft, hf_dir),
+                 "hf_dir": hf_dir, "adapters": canonical(peft, model, _weight)}
     out = root / "results.pt"
     run_world(4, run_lora_parity, hf_dir, LORA, canonical(peft, model, _weight), LAYOUTS, batch,
               str(out))
-    return reference, torch.load(out, weights_only=False), model
+    return reference, torch.load(out, weights_only=False), model, CASES[request.param][0]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: f"TP{l[0]}PP{l[1]}")
 def test_lora_matches_peft(parity, layout):
-    reference, results, model = parity
+    reference, results, model, _ = parity
     got = results[layout]
     mask = reference_batch(model)["attention_mask"].bool()
     for name in ("logprobs", "base_logprobs"):
@@ -143,10 +172,9 @@ def test_served_weights_are_peft_merge(parity, layout):
     """What the engine gets (W + alpha/r B A, shard by shard) is peft's merge_and_unload."""
     from mcore_rl.conversion.architectures import ARCHITECTURES
 
-    reference, results, model = parity
-    merged = {name.removeprefix("base_model.model."): tensor
-              for name, tensor in reference["merged"].items()}
-    architecture = ARCHITECTURES["Qwen2ForCausalLM"]
+    reference, results, model, architecture_name = parity
+    merged = reference["merged"]
+    architecture = ARCHITECTURES[architecture_name]
     served = results[layout]["served"]
     assert not any("lora" in name for name in served)
     for name, tensor in served.items():
@@ -154,9 +182,32 @@ def test_served_weights_are_peft_merge(parity, layout):
         assert (tensor - want).abs().max().item() <= TOLERANCE, name
 
 
+def test_peft_export_loads_onto_transformers(parity, tmp_path):
+    """The adapter export (conversion/peft_adapter.py) of Megatron's full adapters, loaded by
+    peft.PeftModel onto the HF base, gives the peft model's log-probs (for the MoE model: its
+    shared expert's adapters under transformers' names)."""
+    import transformers
+    from peft import PeftModel
+
+    from mcore_rl.conversion.architectures import ARCHITECTURES
+    from mcore_rl.conversion.peft_adapter import write_peft_adapter
+
+    reference, _, model, architecture_name = parity
+    folder = write_peft_adapter(str(tmp_path / "adapter"), reference["adapters"], model, LORA,
+                                ARCHITECTURES[architecture_name], reference["hf_dir"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(reference["hf_dir"],
+                                                             dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, folder).eval()
+    batch = reference_batch(model)
+    with torch.no_grad():
+        logits = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    mask = batch["attention_mask"].bool()
+    difference = (hf_policy_loss(logits, batch)[1] - reference["logprobs"])[mask].abs().max()
+    assert difference.item() <= TOLERANCE
+
+
 def test_bad_adapter_settings_are_refused_naming_the_field():
     from mcore_rl.config import ConfigError, load_config, validate_rl
-    from mcore_rl.config.job import validate_sft
 
     config = load_config(None, ["actor.lora.enabled=true", "actor.lora.rank=0",
                                 "actor.lora.target_modules=[q_proj,qkv_proj]"])
@@ -164,11 +215,6 @@ def test_bad_adapter_settings_are_refused_naming_the_field():
         validate_rl(config, 1)
     assert "actor.lora.rank=0 must be > 0" in str(error.value)
     assert "actor.lora.target_modules: ['qkv_proj'] are not linears" in str(error.value)
-    moe = load_config(None, ["sft.lora.enabled=true", "model.moe.num_experts=4",
-                             "sft.train_files=[a.jsonl]", "sft.batch_size=4",
-                             "sft.micro_batch_size=4"])
-    with pytest.raises(ConfigError, match=r"sft.lora.enabled: adapters on a Mixture-of-Experts"):
-        validate_sft(moe, 1)
     dropout = load_config(None, ["actor.lora.enabled=true", "actor.lora.dropout=0.1",
                                  "parallel.tensor_model_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"actor.lora.dropout=0.1 with parallel.tensor_model_"):

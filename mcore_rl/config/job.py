@@ -178,10 +178,6 @@ def lora_errors(config: JobConfig, lora: LoraConfig, prefix: str) -> list[str]:
         errors.append(f"{prefix}.dropout={lora.dropout} with parallel.tensor_model_parallel_size"
                       f"={config.parallel.tensor_model_parallel_size} is not supported yet: the "
                       "adapters' dropout masks are not verified to agree across TP ranks")
-    if lora.enabled and config.model.moe.enabled:
-        errors.append(f"{prefix}.enabled: adapters on a Mixture-of-Experts model (model.moe."
-                      f"num_experts={config.model.moe.num_experts}) are not supported yet: "
-                      "its MLP has no linear_fc1/linear_fc2, only experts (docs/lora.md)")
     return errors
 
 

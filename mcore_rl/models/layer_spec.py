@@ -43,7 +43,7 @@ def decoder_spec(config, qk_norm: bool, moe: bool, pp_rank: int,
     if moe:
         from .moe import moe_block_spec
 
-        return moe_block_spec(config, transformer_engine_available(), pp_rank)
+        return moe_block_spec(config, transformer_engine_available(), pp_rank, lora)
     if lora is not None and lora.enabled:
         from .lora import with_adapters
 

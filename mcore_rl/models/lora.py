@@ -164,16 +164,24 @@ def _row_class():
 
 
 def with_adapters(layer_spec, lora: LoraConfig):
-    """The local-spec layer spec `layer_spec` with adapters on lora's target linears."""
+    """The local-spec layer spec `layer_spec` with adapters on lora's target linears. In a
+    Mixture-of-Experts layer the MLP targets (linear_fc1, linear_fc2) adapt the shared expert,
+    where there is one; the routed experts stay frozen: per-expert adapters are not built (they
+    would be sharded like their expert over EP and ETP), and HF peft's target modules (gate_proj,
+    up_proj, down_proj) do not reach transformers' fused experts either."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     attention = layer_spec.submodules.self_attention.submodules
     mlp = mlp_submodules(layer_spec)
+    if hasattr(mlp, "router"):  # an MoE layer: its shared expert's MLP, if any
+        shared = getattr(mlp, "shared_experts", None)
+        mlp = shared.submodules if shared is not None else None
     holders = {"linear_qkv": (attention, _column_class), "linear_proj": (attention, _row_class),
                "linear_fc1": (mlp, _column_class), "linear_fc2": (mlp, _row_class)}
     for target in lora.megatron_targets():
         holder, make_class = holders[target]
-        setattr(holder, target, ModuleSpec(module=make_class(), params={"lora": lora}))
+        if holder is not None:
+            setattr(holder, target, ModuleSpec(module=make_class(), params={"lora": lora}))
     return layer_spec
 
 

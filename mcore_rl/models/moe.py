@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.router import TopKRouter
 
+from ..config.lora import LoraConfig
 from .spec_parts import mlp_submodules
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -29,12 +30,16 @@ class PlainLinearRouter(TopKRouter):
         return F.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
-def moe_block_spec(config, use_transformer_engine: bool, pp_rank: int):
+def moe_block_spec(config, use_transformer_engine: bool, pp_rank: int,
+                   lora: LoraConfig | None = None):
     """The decoder block's spec for `config` (dense and MoE layers as config.moe_layer_freq
     lists them, on pipeline stage `pp_rank`). Without Transformer Engine every layer gets the
     local spec's SDPA attention, models/norm.py's RMSNorm (sequence parallelism, which
     Megatron's MoE layer needs at TP > 1) and PlainLinearRouter. The dense and the MoE layer
-    spec are each shared by all layers of their kind, so changing one changes them all."""
+    spec are each shared by all layers of their kind, so changing one changes them all.
+    Adapters (lora enabled) take the local spec, as for dense models (models/lora.py)."""
+    adapted = lora is not None and lora.enabled
+    use_transformer_engine = use_transformer_engine and not adapted
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine,
@@ -50,5 +55,10 @@ def moe_block_spec(config, use_transformer_engine: bool, pp_rank: int):
         mlp = mlp_submodules(layer)
         if hasattr(mlp, "router"):
             mlp.router = PlainLinearRouter
+    if adapted:
+        from .lora import with_adapters
+
+        for layer in {id(layer): layer for layer in block.layer_specs}.values():
+            with_adapters(layer, lora)
     block.layer_norm = RMSNorm
     return block

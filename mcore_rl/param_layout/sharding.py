@@ -250,8 +250,8 @@ ADAPTER_MATRICES = ("lora_a", "lora_b")
 """The two matrices of an adapter, as parameters of their linear: ``<linear>.lora_a`` [r, in]
 and ``<linear>.lora_b`` [out, r]."""
 
-_ADAPTER = re.compile(r"^(decoder\.layers\.\d+\.(?:self_attention|mlp)\.linear_\w+)\."
-                      r"(lora_a|lora_b)$")
+_ADAPTER = re.compile(r"^(decoder\.layers\.\d+\.(?:self_attention|mlp|mlp\.shared_experts)"
+                      r"\.linear_\w+)\.(lora_a|lora_b)$")
 
 
 def adapter_of(name: str) -> tuple[str, str] | None:
@@ -261,6 +261,21 @@ def adapter_of(name: str) -> tuple[str, str] | None:
     if not match:
         return None
     return f"{match.group(1)}.weight", match.group(2)
+
+
+def adapted_weights(model: ModelConfig, layer: int, targets: Sequence[str]) -> list[str]:
+    """The weights of global layer `layer` that adapters on the Megatron linears `targets`
+    adapt: attention's, and the MLP's in a dense layer or the shared expert's in a
+    Mixture-of-Experts layer (routed experts take none; models/lora.py)."""
+    names = []
+    for target in targets:
+        if target in ("linear_qkv", "linear_proj"):
+            names.append(f"decoder.layers.{layer}.self_attention.{target}.weight")
+        elif not model.moe.is_moe_layer(layer):
+            names.append(f"decoder.layers.{layer}.mlp.{target}.weight")
+        elif model.moe.shared_expert_ffn_hidden_size:
+            names.append(f"decoder.layers.{layer}.mlp.shared_experts.{target}.weight")
+    return names
 
 
 def adapter_kind(name: str) -> ShardKind:

@@ -25,10 +25,8 @@ def adapter_parameters(model: ModelConfig, lora: LoraConfig) -> int:
     """Elements of every adapter (A [r, in] and B [out, r] on each targeted linear)."""
     total = 0
     for layer in range(model.num_layers):
-        for target in lora.megatron_targets():
-            block = "self_attention" if target in ("linear_qkv", "linear_proj") else "mlp"
-            out_features, in_features = sharding.full_shape(
-                f"decoder.layers.{layer}.{block}.{target}.weight", model)
+        for weight in sharding.adapted_weights(model, layer, lora.megatron_targets()):
+            out_features, in_features = sharding.full_shape(weight, model)
             total += lora.rank * (in_features + out_features)
     return total
 
