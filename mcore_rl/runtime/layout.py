@@ -9,8 +9,13 @@ expert rank is simply the data-parallel rank modulo EP; at ETP != TP (the common
 recipe: attention at TP2-4, experts at ETP1 x EP8) the expert grid cuts across the TP groups,
 and every part that cuts expert shards (conversion, checkpoints, resharding) must find a rank's
 expert coordinates exactly as Megatron's ``RankGenerator`` does. This is the one place they are
-computed; it is pure (no torch.distributed, no Megatron), so the planner and the converters use
-it without a live world and tests can compare it against Megatron's own process groups.
+computed: `ParallelLayout` is pure (no torch.distributed, no Megatron), so the planner and the
+converters use it without a live world and tests compare it with Megatron's own rank groups.
+
+The trained models (actor, critic, reference) live in Megatron's global parallel state, which
+is created, read and torn down only here (`initialize_training_groups`, `training_rank`,
+`training_group`); a second model in its own layout (a teacher) has its groups in
+runtime/model_groups.py.
 """
 
 from __future__ import annotations
@@ -18,12 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config.parallel import ParallelConfig, expert_grid_errors
-
-DENSE_DIMENSIONS = ("tp", "cp", "dp", "pp")
-EXPERT_DIMENSIONS = ("tp", "ep", "dp", "pp")
-"""The names of each grid in Megatron's order string; the expert grid's "tp" is ETP and its
-"dp" the expert data-parallel size."""
-
 
 @dataclass(frozen=True)
 class RankPosition:
