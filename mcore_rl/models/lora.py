@@ -33,7 +33,7 @@ from ..config.lora import LoraConfig
 from ..config.model import ModelConfig
 from ..param_layout import sharding
 from ..runtime.layout import training_rank
-from .spec_parts import mlp_submodules
+from .spec_parts import mlp_submodules, submodules_of
 from .weights import local_parameters
 
 
@@ -175,7 +175,7 @@ def with_adapters(layer_spec, lora: LoraConfig):
     mlp = mlp_submodules(layer_spec)
     if hasattr(mlp, "router"):  # an MoE layer: its shared expert's MLP, if any
         shared = getattr(mlp, "shared_experts", None)
-        mlp = shared.submodules if shared is not None else None
+        mlp = submodules_of(shared) if shared is not None else None
     holders = {"linear_qkv": (attention, _column_class), "linear_proj": (attention, _row_class),
                "linear_fc1": (mlp, _column_class), "linear_fc2": (mlp, _row_class)}
     for target in lora.megatron_targets():

@@ -11,10 +11,14 @@ import functools
 
 
 def mlp_submodules(layer_spec):
-    """The submodules of a layer spec's MLP (dense or MoE), to be changed in place. Megatron-Core
-    0.16 describes the MLP as a ModuleSpec with `submodules`; from 0.17 on it is a
-    functools.partial of the module's class with `submodules` as a keyword."""
-    mlp = layer_spec.submodules.mlp
-    if isinstance(mlp, functools.partial):
-        return mlp.keywords["submodules"]
-    return mlp.submodules
+    """The submodules of a layer spec's MLP (dense or MoE), to be changed in place."""
+    return submodules_of(layer_spec.submodules.mlp)
+
+
+def submodules_of(part):
+    """The submodules of one part of a spec (an MLP, an MoE layer's shared expert), to be
+    changed in place. Megatron-Core 0.16 describes a part as a ModuleSpec with `submodules`;
+    from 0.17 on as a functools.partial of a class or builder with `submodules` as a keyword."""
+    if isinstance(part, functools.partial):
+        return part.keywords["submodules"]
+    return part.submodules
