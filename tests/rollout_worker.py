@@ -210,11 +210,67 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
     results["vllm_after_refusal"] = vllm.generate(prompts, GREEDY, PROMPT_CONFIG).completions[
         0].token_ids
 
+    results["vllm_prefix_cache"] = prefix_cache_checks(vllm, actor, sync, parallel, prompts)
+
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, results)
     if dist.get_rank() == 0:
         torch.save(everyone, out_path)
     shutdown()
+
+
+LONG = PromptConfig(max_prompt_tokens=48)
+"""Prompts of 40 tokens: one whole KV block of a CPU engine's prefix cache (32 tokens)."""
+
+
+def _greedy_long(engine, prompt: list[int]) -> dict:
+    generation = engine.generate([prompt], GREEDY, LONG)
+    completion = generation.completions[0]
+    return {"tokens": completion.token_ids, "logprobs": completion.logprobs,
+            "cached": completion.cached_tokens, "metrics": generation.metrics,
+            "generation": generation}
+
+
+def prefix_cache_checks(engine, actor, sync, parallel: ParallelConfig, prompts: list) -> dict:
+    """A 40-token prompt (this shard's own) with weights 3 and nothing of it cached (what a
+    fresh engine computes), then, the cache emptied, with weights 2, then with weights 3
+    again: the last must not reuse weights 2's cached prefix. Then n samples of another
+    prompt, and two turns of a conversation through the streaming interface (the second
+    prompt continues the first)."""
+    mine = (prompts[0] * 10)[:40]
+    found = {}
+    for name, seed in (("fresh", 3), ("primed", 2), ("after_update", 3)):
+        load_full_state(actor, reference_state(seed), MODEL, parallel)
+        sync()
+        found[name] = _greedy_long(engine, mine)
+        if name == "fresh":  # as a fresh engine, which holds nothing of weights 3
+            engine.llm.reset_prefix_cache()
+    found["after_update_scores"] = trainer_scores(actor, found["after_update"].pop("generation"))
+    found["again"] = _greedy_long(engine, mine)
+    for name in ("fresh", "primed", "again"):
+        found[name].pop("generation")
+    sampled = engine.generate([(prompts[-1] * 20)[:40]], SAMPLED, LONG)
+    found["samples"] = {"cached": [c.cached_tokens for c in sampled.completions],
+                        "prompt": [c.prompt_tokens for c in sampled.completions],
+                        "metrics": sampled.metrics}
+    found["turns"] = _two_turns(engine, list(range(250, 290)))
+    return found
+
+
+def _two_turns(engine, prompt: list[int]) -> list[tuple[int, int]]:
+    """(prompt tokens, cached tokens) of a streamed turn and of the next turn, whose prompt
+    is the first's, its response and a 2-token observation."""
+    from mcore_rl.rollout import SampleRequest
+
+    seen, turn = [], SampleRequest("turn0", prompt, SAMPLED, 0, 0)
+    for key in ("turn1", None):
+        engine.add_requests([turn])
+        finished = []
+        while engine.has_unfinished():
+            finished += engine.step()
+        seen.append((finished[0].prompt_tokens, finished[0].cached_tokens))
+        turn = SampleRequest(key, prompt + finished[0].token_ids + [7, 8], SAMPLED, 0, 0)
+    return seen
 
 
 def pipeline_engine(out_path: str) -> None:

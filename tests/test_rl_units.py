@@ -106,6 +106,30 @@ def test_sums_and_counts_without_a_group():
     assert stats.means() == {"a": pytest.approx(8 / 3), "m": 2.0}
 
 
+def test_prefix_cache_hit_rate_is_cached_over_all_prompt_tokens_of_the_batch():
+    """Summed over completions, rounds of dynamic sampling and ranks (a rank with more prompt
+    tokens weighs more); 0 with nothing cached, and 0, not an error, with nothing counted."""
+    from mcore_rl.rl.step_statistics import prefill_statistics
+
+    def generation(*counts):
+        return Generation.finished([Completion(0, i, [1], [0.0], "stop", prompt_tokens=prompt,
+                                               cached_tokens=cached)
+                                    for i, (prompt, cached) in enumerate(counts)], [[5]], 0, 0.0)
+
+    rounds = [Rollout(["r"], [[5]], generation(*counts), [])
+              for counts in (((40, 0), (40, 32)), ((100, 0),))]
+    merged = select_groups(rounds, [[0], [0]]).generation.metrics
+    assert (merged["prompt_tokens"], merged["cached_prompt_tokens"]) == (180, 32)
+    stats = SumsAndCounts()
+    prefill_statistics(merged, 3, stats)
+    assert stats.means() == {"rollout/prefix_cache_hit_rate": pytest.approx(32 / 180),
+                             "rollout/prefilled_tokens": pytest.approx(148 / 3)}
+    for counts, rate in (({"prompt_tokens": 80, "cached_prompt_tokens": 0}, 0.0), ({}, 0.0)):
+        stats = SumsAndCounts()
+        prefill_statistics(counts, 2, stats)
+        assert stats.means()["rollout/prefix_cache_hit_rate"] == rate
+
+
 def test_actor_objective_with_importance_cap_matches_slow_reference():
     torch.manual_seed(0)
     shape = (3, 5)

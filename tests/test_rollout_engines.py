@@ -133,6 +133,31 @@ def test_resharded_weights_change_what_the_engines_generate(results):
             <= TOLERANCE
 
 
+def test_prefix_cache_never_serves_weights_it_was_not_computed_with(results):
+    """A prompt whose keys and values were cached with weights 2 gives, after the update to
+    weights 3, what it gave with weights 3 before any of it was cached (a fresh engine's
+    log-probs, within 1e-5 in fp32) and the trainer's: the update forgot the cache (hit rate
+    0). With the same weights its prefix is served again (one whole 32-token block), and
+    the n samples of one prompt, and a conversation's next turn, reuse theirs."""
+    for found in _both_ranks(results, "vllm_prefix_cache"):
+        fresh, after, again = found["fresh"], found["after_update"], found["again"]
+        assert max(abs(a - b) for a, b in zip(after["logprobs"], fresh["logprobs"])) <= 1e-5
+        assert after["tokens"] == fresh["tokens"] != found["primed"]["tokens"]
+        assert found["after_update_scores"]["mismatch"]["rollout/logprob_abs_diff_max"] \
+            <= TOLERANCE
+        assert fresh["cached"] == after["cached"] == 0 and found["primed"]["cached"] == 0
+        assert after["metrics"]["cached_prompt_tokens"] == 0
+        assert again["cached"] == 32 and again["tokens"] == fresh["tokens"]
+        assert max(abs(a - b) for a, b in zip(again["logprobs"], fresh["logprobs"])) <= 1e-5
+        samples = found["samples"]
+        assert samples["prompt"] == [40, 40, 40] and samples["cached"] == [0, 32, 32]
+        assert samples["metrics"]["prompt_tokens"] == 120
+        assert samples["metrics"]["cached_prompt_tokens"] == 64
+        (first_prompt, first_cached), (second_prompt, second_cached) = found["turns"]
+        assert (first_prompt, first_cached) == (40, 0)
+        assert 40 < second_prompt < 64 and second_cached == 32
+
+
 def test_cpu_engine_holds_every_sequence_it_schedules_in_a_small_kv_cache(results):
     """vLLM's own accounting: every sequence its scheduler may run at once (max_num_seqs) fits
     in the KV cache at the full context, and the cache is not vLLM's CPU default (40% of the

@@ -131,8 +131,11 @@ class AgentRunner:
             if not engine.has_unfinished(local_work=len(results) < episodes):
                 return results
             for finished in engine.step():
-                self.endpoint.finish(sampling_turns.pop(finished.key), finished.token_ids,
-                                     finished.logprobs, finished.finish_reason)
+                turn = sampling_turns.pop(finished.key)
+                turn.episode.prompt_tokens += finished.prompt_tokens
+                turn.episode.cached_tokens += finished.cached_tokens
+                self.endpoint.finish(turn, finished.token_ids, finished.logprobs,
+                                     finished.finish_reason)
 
     def _take_events(self, wait: bool) -> list:
         """The events queued so far (waiting a moment for the first when `wait`)."""
@@ -193,6 +196,7 @@ class AgentRunner:
                              template_mismatches=counts["template_mismatches"],
                              agent_failures=int(result.error is not None))
         episode.reward = result.reward
+        episode.count_prefill(agent_episode)
         return episode
 
 

@@ -42,6 +42,11 @@ class Episode:
         "environment_failures": 0, "history_rewrites": 0, "agent_failures": 0})
     """Counts of what went wrong; history_rewrites and agent_failures: agents written against
     the OpenAI API (agents.agent_runner)."""
+    prompt_tokens: int = 0
+    """Prompt tokens of the engine requests made for the episode (each turn's: the
+    conversation so far), and"""
+    cached_tokens: int = 0
+    """how many of them the engine's prefix cache served."""
 
     def start(self, messages: list[dict], prompt_ids: list[int]) -> None:
         self.messages = list(messages)
@@ -56,6 +61,12 @@ class Episode:
         self.logprobs += logprobs
         self.last_turn = list(token_ids)
         self.turns += 1
+
+    def count_prefill(self, request) -> None:
+        """Add the prompt tokens and cache hits of a finished engine request (FinishedSample),
+        or of an agent's requests (AgentEpisode)."""
+        self.prompt_tokens += request.prompt_tokens
+        self.cached_tokens += request.cached_tokens
 
     def add_observation(self, messages: list[dict], token_ids: list[int]) -> None:
         self.messages += messages

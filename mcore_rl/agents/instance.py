@@ -16,7 +16,7 @@ import dataclasses
 import torch.distributed as dist
 
 from mcore_rl.config.rollout import SamplingConfig
-from mcore_rl.rollout import Generation, RolloutEngine
+from mcore_rl.rollout import Generation, RolloutEngine, prefill_counts
 from mcore_rl.runtime.regroup import gather_shares, one_share_per_key
 
 
@@ -97,6 +97,6 @@ def _split(generation: Generation, counts: dict[int, int]) -> dict[int, Generati
         completions = [dataclasses.replace(c, prompt_index=c.prompt_index - start)
                        for c in generation.completions if start <= c.prompt_index < start + count]
         parts[key] = Generation(completions, generation.prompts[start:start + count],
-                                dict(generation.metrics))
+                                {**generation.metrics, **prefill_counts(completions)})
         start += count
     return parts

@@ -103,6 +103,11 @@ class AgentEpisode:
     """A limit (max_turns, max_episode_tokens) answered a request with no tokens."""
     counts: dict = field(default_factory=lambda: {
         "tool_calls": 0, "parse_failures": 0, "history_rewrites": 0, "template_mismatches": 0})
+    prompt_tokens: int = 0
+    """The prompt tokens of every engine request the episode made (those of completions off
+    its trajectory too: the engine computed them all), and"""
+    cached_tokens: int = 0
+    """how many of them the engine's prefix cache served."""
 
 
 class ChatEndpoint:

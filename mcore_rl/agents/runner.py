@@ -132,6 +132,7 @@ class EpisodeRunner:
     def _on_turn(self, episode: Episode, finished) -> str:
         """The engine finished a model turn: hand it to the environment, or end the episode."""
         episode.add_turn(finished.token_ids, finished.logprobs)
+        episode.count_prefill(finished)
         if finished.finish_reason == "length":
             return self._end(episode, "length")
         if episode.last_turn[-1:] != [self.chat.end_of_turn_id]:
@@ -226,5 +227,6 @@ def episodes_generation(episodes: list[Episode], prompts: int, started: float) -
             episode.prompt_index, episode.sample_index, episode.token_ids[shared:],
             episode.logprobs[shared:], episode.finish_reason,
             sampled=tuple(episode.sampled[shared:]), response_text=episode.final_text(),
-            episode={**episode.summary(), "reward": episode.reward}))
+            episode={**episode.summary(), "reward": episode.reward},
+            prompt_tokens=episode.prompt_tokens, cached_tokens=episode.cached_tokens))
     return Generation.finished(completions, openings, 0, started)

@@ -124,6 +124,17 @@ class RolloutConfig:
     """Capture CUDA graphs for vLLM's decoding (faster decoding, slower start-up); false runs
     eagerly. CPU engines always run eagerly."""
 
+    prefix_caching: bool = True
+    """vLLM reuses the keys and values of prompt prefixes it has computed, in whole KV blocks
+    (16 tokens on GPUs, 32 on CPUs): the n samples of a prompt prefill it once, and each turn
+    of a multi-turn episode prefills only what follows the earlier turns. Every weight update
+    forgets the cache, and responses still in flight (split placement's partial rollouts)
+    recompute their tokens so far with the new weights. Logged as
+    rollout/prefix_cache_hit_rate. Off where the engine reports each token's experts
+    (Mixture-of-Experts models): a cached prefix's tokens would have no routes. false: every
+    request prefills its whole prompt, and requests in flight at an update keep the keys and
+    values they have."""
+
     sync_bucket_mb: int = 512
     """Communication buffers per rank of one weight sync (two halves in flight): a sync's
     peak extra memory is at most this plus one rollout shard of the largest parameter."""
@@ -194,8 +205,9 @@ class RolloutConfig:
     partial_rollout: str = "continue"
     """Split placement, what a weight update does to responses still being generated: continue
     (they keep their tokens and go on with the new weights; every token's behaviour log-prob
-    and the version that sampled it are recorded) or abort (they are dropped and started again
-    with the new weights)."""
+    and the version that sampled it are recorded; with prefix_caching the keys and values of
+    their tokens so far are computed again with the new weights) or abort (they are dropped
+    and started again with the new weights)."""
 
     update_check_steps: int = 8
     """Split placement: engine iterations (one token for every running response) between two

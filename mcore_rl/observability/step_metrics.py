@@ -61,6 +61,12 @@ class SumsAndCounts:
         total, count = self.sums.get(name, (0.0, 0.0))
         self.sums[name] = (total + float(values.sum()), count + values.numel())
 
+    def add_ratio(self, name: str, numerator: float, denominator: float) -> None:
+        """Accumulate a ratio of sums under `name` (its parts add up over calls and ranks:
+        the result weighs each part by its denominator, not each rank alike)."""
+        total, count = self.sums.get(name, (0.0, 0.0))
+        self.sums[name] = (total + float(numerator), count + float(denominator))
+
     def add_max(self, name: str, values: torch.Tensor) -> None:
         """Accumulate a maximum under `name` (use -x for a minimum). The name is registered even
         for no values, so every rank reduces the same names."""

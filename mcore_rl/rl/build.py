@@ -299,7 +299,8 @@ def build_vllm_engine(config: JobConfig, context: int, plan: ReshardPlan,
                         cuda_graphs=rollout.cuda_graphs, sleep_level=rollout.sleep_level,
                         timeout_minutes=config.runtime.collective_timeout_minutes,
                         weight_layout=weight_layout, capture_routes=config.model.moe.enabled,
-                        expert_parallel=plan.rollout.expert_parallel)
+                        expert_parallel=plan.rollout.expert_parallel,
+                        prefix_caching=rollout.prefix_caching)
     resharder = Resharder(plan, rollout.sync_bucket_mb * 2 ** 20, transport)
     if weight_layout == "vllm":
         engine.check_plan(plan.wanted_shapes(resharder.rank), plan.dtype)

@@ -144,7 +144,8 @@ def select_groups(rollouts: list[Rollout], kept: list[list[int]]) -> Rollout:
                     completion, prompt_index=new_index[completion.prompt_index]))
                 results.append(result)
     metrics = {name: sum(r.generation.metrics.get(name, 0) for r in rollouts)
-               for name in ("prompts", "truncated_prompts", "generated_tokens", "seconds")}
+               for name in ("prompts", "truncated_prompts", "generated_tokens", "seconds",
+                            "prompt_tokens", "cached_prompt_tokens")}
     return Rollout(records, token_ids, Generation(completions, prompts, metrics), results,
                    min(rollout.version for rollout in rollouts))
 

@@ -41,6 +41,7 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
         add_logprob_mismatch(stats, batch["engine_logprobs"], batch["old_logprobs"], response)
     stats.add("rollout/truncated_prompts",
               torch.tensor([float(generation_metrics.get("truncated_prompts", 0))]))
+    prefill_statistics(generation_metrics, len(results), stats)
     if "restarted_responses" in generation_metrics:  # split placement, the whole batch's
         stats.add_max("rollout/restarted_responses",
                       torch.tensor([float(generation_metrics["restarted_responses"])]))
@@ -51,6 +52,18 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
         stats.add("critic/returns_square", returns.square(), response)
         stats.add("critic/error_mean", returns - values, response)
         stats.add("critic/error_square", (returns - values).square(), response)
+
+
+def prefill_statistics(generation_metrics: dict, samples: int, stats: SumsAndCounts) -> None:
+    """rollout/prefix_cache_hit_rate: the prompt tokens the engine's prefix cache served over
+    all the prompt tokens it was given (every turn's, in multi-turn episodes), over the batch;
+    rollout/prefilled_tokens: the prompt tokens it computed, per sample (response or episode;
+    with dynamic sampling the dropped groups' count too). A hit rate of 0 where nothing was
+    counted."""
+    prompt = generation_metrics.get("prompt_tokens", 0)
+    cached = generation_metrics.get("cached_prompt_tokens", 0)
+    stats.add_ratio("rollout/prefix_cache_hit_rate", cached, prompt)
+    stats.add_ratio("rollout/prefilled_tokens", prompt - cached, samples)
 
 
 EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "parse_failures",

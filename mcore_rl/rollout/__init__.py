@@ -5,11 +5,11 @@ it is the one module that imports vllm, which is optional on training-only machi
 """
 
 from .engine import (Completion, EngineError, FinishedSample, Generation, RolloutEngine,
-                     SampleRequest)
+                     SampleRequest, prefill_counts)
 from .megatron_engine import MegatronEngine
 from .mismatch import logprob_mismatch
 from .prompts import PreparedPrompts, PromptError, check_request, prepare_prompts
 
 __all__ = ["Completion", "EngineError", "FinishedSample", "Generation", "MegatronEngine",
            "PreparedPrompts", "PromptError", "RolloutEngine", "SampleRequest", "check_request",
-           "logprob_mismatch", "prepare_prompts"]
+           "logprob_mismatch", "prefill_counts", "prepare_prompts"]

@@ -75,6 +75,15 @@ class Completion:
     episode: Optional[dict] = None
     """Multi-turn episodes: the conversation's messages and counts (agents.episode)."""
 
+    prompt_tokens: int = 0
+    """Prompt tokens the engine was given for this completion, over every request that made it
+    (an episode: each turn's prompt, the conversation so far)."""
+
+    cached_tokens: int = 0
+    """Of `prompt_tokens`, those whose keys and values the engine's prefix cache served
+    instead of computing them again (vLLM with rollout.prefix_caching; the Megatron engine
+    has no prefix cache)."""
+
     def sampled_mask(self) -> list[int]:
         """1 on each token the engine sampled, 0 on observation tokens."""
         return list(self.sampled) if self.sampled is not None else [1] * len(self.token_ids)
@@ -91,7 +100,8 @@ class Generation:
     """The prompts as the engine saw them (after truncation, if configured)."""
 
     metrics: dict = field(default_factory=dict)
-    """Counts for logging: prompts, truncated_prompts, generated_tokens, seconds."""
+    """Counts for logging: prompts, truncated_prompts, generated_tokens, seconds, and the
+    `prefill_counts` of the completions."""
 
     @classmethod
     def finished(cls, completions: list[Completion], prompts: list[list[int]], truncated: int,
@@ -100,7 +110,7 @@ class Generation:
         perf_counter value when generate began)."""
         metrics = {"prompts": len(prompts), "truncated_prompts": truncated,
                    "generated_tokens": sum(len(c.token_ids) for c in completions),
-                   "seconds": time.perf_counter() - started}
+                   "seconds": time.perf_counter() - started, **prefill_counts(completions)}
         return cls(completions, prompts, metrics)
 
     def response_tensors(self, pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -127,6 +137,13 @@ class Generation:
         if routes and all(route is not None for route in routes):
             tensors["routed_experts"] = _routes_by_row(routes, longest)
         return tensors
+
+
+def prefill_counts(completions: Sequence[Completion]) -> dict[str, int]:
+    """The prompt tokens the engine was given for these completions, and how many of them its
+    prefix cache served (Generation.metrics: prompt_tokens, cached_prompt_tokens)."""
+    return {"prompt_tokens": sum(c.prompt_tokens for c in completions),
+            "cached_prompt_tokens": sum(c.cached_tokens for c in completions)}
 
 
 def _routes_by_row(routes: list[torch.Tensor], longest: int) -> torch.Tensor:
@@ -174,6 +191,10 @@ class FinishedSample:
     finish_reason: str
     routed_experts: Optional[torch.Tensor] = None
     """As in Completion: the experts each fed token went to, when the engine captures routes."""
+    prompt_tokens: int = 0
+    """The request's prompt tokens, and"""
+    cached_tokens: int = 0
+    """how many of them the engine's prefix cache served (as in Completion)."""
 
 
 class RolloutEngine(abc.ABC):

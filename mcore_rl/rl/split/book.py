@@ -115,7 +115,8 @@ class InstanceBook:
         group = share.finished.setdefault(request.prompt_position, {})
         group[request.sample_index] = Completion(
             request.prompt_position, request.sample_index, sample.token_ids, sample.logprobs,
-            sample.finish_reason, tuple(response.versions), sample.routed_experts)
+            sample.finish_reason, tuple(response.versions), sample.routed_experts,
+            prompt_tokens=sample.prompt_tokens, cached_tokens=sample.cached_tokens)
         if len(group) == share.samples_per_prompt:
             return response.share, request.prompt_position
         return None

@@ -28,7 +28,7 @@ from mcore_rl.observability.step_metrics import PhaseTimer, SumsAndCounts
 from mcore_rl.resharding import Resharder
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.resharding.plan import lower_bound_received
-from mcore_rl.rollout import Generation
+from mcore_rl.rollout import Generation, prefill_counts
 from mcore_rl.runtime.messages import ControlBoard, receive_object
 from mcore_rl.runtime.worlds import SplitWorld
 
@@ -102,7 +102,7 @@ class RemoteRollouts:
         generation = Generation(part.completions, part.prompts, {
             "prompts": len(part.prompts), "truncated_prompts": 0,
             "generated_tokens": sum(len(c.token_ids) for c in part.completions),
-            "restarted_responses": part.restarts})
+            "restarted_responses": part.restarts, **prefill_counts(part.completions)})
         rollout = Rollout(part.records, part.prompts, generation, part.results)
         rollout.version = int(rollout.start_versions().min()) if part.completions else step
         return rollout
