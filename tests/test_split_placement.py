@@ -131,12 +131,13 @@ def test_responses_in_flight_at_an_update_continue_or_restart(tmp_path, tokenize
                                                               world, staleness):
     """Long responses (up to 48 tokens, checked for new weights after every engine step) are
     still being generated when new weights land. World 4: two trainers (DP2), two vLLM
-    instances."""
+    instances. World 2 runs the MoE model with r3: a restarted response's routes are its new
+    attempt's, and every trained token replays one (k = 1)."""
     result = run_job(tmp_path, tokenizer_dir, world, [
         f"placement.rollout_ranks={world // 2}", f"rollout.max_staleness={staleness}",
         f"rollout.partial_rollout={mode}", "rollout.update_check_steps=1",
         "rollout.importance_cap=2.0", "rollout.sampling.max_new_tokens=48",
-        "trainer.total_steps=4", "trainer.eval_every=0"])
+        "trainer.total_steps=4", "trainer.eval_every=0", *(MOE_R3 if mode == "abort" else [])])
     seen = [entry for rank in range(world // 2) for entry in result[rank]["seen"]]
     lags = staleness_of(seen)
     assert min(lags) >= 0 and max(lags) <= staleness
@@ -152,6 +153,7 @@ def test_responses_in_flight_at_an_update_continue_or_restart(tmp_path, tokenize
     else:
         assert all(len(versions) == 1 for versions in stretches)
         assert sum(m["rollout/restarted_responses"] for m in history) > 0
+        assert all(m["moe/routes_replayed"] == 1.0 for m in history)
     assert all(result[rank]["exit_code"] == 0 for rank in range(world // 2, world))
 
 
