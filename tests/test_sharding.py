@@ -730,6 +730,7 @@ def test_layout_positions_are_megatrons_rank_groups(tp, pp, dp, ep, etp, order):
     for rank in range(layout.world_size):
         at = layout.position(rank)
         assert layout.expert_rank(at.pp_rank, at.ep_rank, at.etp_rank, at.edp_rank) == rank
+        assert layout.rank_of(at.tp_rank, at.pp_rank, at.dp_rank) == rank
 
 
 def test_an_expert_grid_that_does_not_fit_the_ranks_is_refused():

@@ -152,7 +152,7 @@ def production_estimate(model, tp: int, pp: int, dp: int, engine: str, rollout_t
                                     engine, rollout_tp, dtype, links, bucket_bytes,
                                     rollout_expert_parallel)[1][0].max_received
     return Production(training, rollout, estimates,
-                      rollout_weight_bytes(rollout, torch.tensor([], dtype=dtype).element_size()),
+                      rollout_weight_bytes(rollout, dtype.itemsize),
                       default_received)
 
 

@@ -320,9 +320,6 @@ class TrainingLayout:
                           f"permutation of tp, dp and pp")
         return errors
 
-    def _sizes(self) -> dict[str, int]:
-        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}
-
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, dp_rank) of global ``rank``."""
         position = self.grid.position(rank)
@@ -330,12 +327,7 @@ class TrainingLayout:
 
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
         """Global rank at these coordinates (inverse of `coordinates`)."""
-        wanted, sizes = {"tp": tp_rank, "pp": pp_rank, "dp": dp_rank}, self._sizes()
-        rank, stride = 0, 1
-        for name in self.order:
-            rank += wanted[name] * stride
-            stride *= sizes[name]
-        return rank
+        return self.grid.rank_of(tp_rank, pp_rank, dp_rank)
 
     def holding(self, rank: int) -> tuple[int, int, int, int]:
         """(tp_rank, pp_rank, ep_rank, etp_rank): what decides which shards ``rank`` holds."""

@@ -87,23 +87,35 @@ class ParallelLayout:
         """``rank``'s coordinates in the dense and the expert grid."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the layout's {self.world_size} ranks")
-        dense = _coordinates(rank, self.order, {"tp": self.tp, "cp": self.cp, "dp": self.dp,
-                                                "pp": self.pp, "ep": 1})
-        expert = _coordinates(rank, self.order, {"tp": self.expert_tp, "ep": self.ep,
-                                                 "dp": self.expert_dp, "pp": self.pp, "cp": 1})
+        dense = _coordinates(rank, self.order, self._dense_sizes())
+        expert = _coordinates(rank, self.order, self._expert_sizes())
         return RankPosition(dense["tp"], dense["pp"], dense["dp"], dense["cp"], expert["ep"],
                             expert["tp"], expert["dp"])
 
+    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
+        """The rank at these dense-grid coordinates (inverse of `position`'s dense part)."""
+        return _rank_at(self.order, self._dense_sizes(),
+                        {"tp": tp_rank, "cp": cp_rank, "dp": dp_rank, "pp": pp_rank, "ep": 0})
+
     def expert_rank(self, pp_rank: int, ep_rank: int, etp_rank: int, edp_rank: int) -> int:
         """The rank at these expert-grid coordinates (inverse of `position`'s expert part)."""
-        wanted = {"tp": etp_rank, "ep": ep_rank, "dp": edp_rank, "pp": pp_rank, "cp": 0}
-        sizes = {"tp": self.expert_tp, "ep": self.ep, "dp": self.expert_dp, "pp": self.pp,
-                 "cp": 1}
-        rank, stride = 0, 1
-        for name in self.order.split("-"):
-            rank += wanted[name] * stride
-            stride *= sizes[name]
-        return rank
+        return _rank_at(self.order, self._expert_sizes(),
+                        {"tp": etp_rank, "ep": ep_rank, "dp": edp_rank, "pp": pp_rank, "cp": 0})
+
+    def _dense_sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp, "ep": 1}
+
+    def _expert_sizes(self) -> dict[str, int]:
+        return {"tp": self.expert_tp, "ep": self.ep, "dp": self.expert_dp, "pp": self.pp, "cp": 1}
+
+
+def _rank_at(order: str, sizes: dict[str, int], coordinates: dict[str, int]) -> int:
+    """The rank at ``coordinates`` over ``sizes`` in ``order`` (inverse of `_coordinates`)."""
+    rank, stride = 0, 1
+    for name in order.split("-"):
+        rank += coordinates[name] * stride
+        stride *= sizes[name]
+    return rank
 
 
 def _coordinates(rank: int, order: str, sizes: dict[str, int]) -> dict[str, int]:
