@@ -22,6 +22,8 @@ from mcore_rl.training import compute_outputs, make_trainable, shard_for_data_pa
 
 MICRO_BATCH = 2
 ROWS = 8
+SEQ_LENGTH = 22
+"""Not a multiple of 2 x CP x TP = 8: the TP2 x CP2 world pads its micro-batches' columns."""
 
 
 def reference_full_state(model: ModelConfig, head: str, seed: int = 0) -> dict:
@@ -35,7 +37,7 @@ def reference_full_state(model: ModelConfig, head: str, seed: int = 0) -> dict:
     return state
 
 
-def reference_batch(model: ModelConfig, seq_length: int = 24, seed: int = 1) -> dict:
+def reference_batch(model: ModelConfig, seq_length: int = SEQ_LENGTH, seed: int = 1) -> dict:
     """ROWS right-padded sequences of different lengths (one full length)."""
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, model.vocab_size, (ROWS, seq_length), generator=generator)
@@ -128,8 +130,9 @@ def _merged_weights(module, model: ModelConfig, parallel: ParallelConfig, head: 
 def run_layout(model: ModelConfig, tp: int, pp: int, out_path: str,
                use_distributed_optimizer: bool = True, ep: int = 1,
                dispatcher: str = "alltoall", sequence_parallel: bool = False,
-               etp: int | None = None) -> None:
+               etp: int | None = None, cp: int = 1) -> None:
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              context_parallel_size=cp,
                               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                               moe_token_dispatcher=dispatcher,
                               sequence_parallel=sequence_parallel)
@@ -139,7 +142,7 @@ def run_layout(model: ModelConfig, tp: int, pp: int, out_path: str,
                                 use_distributed_optimizer=use_distributed_optimizer)
     config = JobConfig(model=model, parallel=parallel, optimizer=optimizer,
                        batch=BatchConfig(global_batch_size=ROWS, micro_batch_size=MICRO_BATCH,
-                                         seq_length=24),
+                                         seq_length=SEQ_LENGTH),
                        runtime=RuntimeConfig(collective_timeout_minutes=3))
     initialize(config)
     from megatron.core import parallel_state

@@ -71,6 +71,9 @@ def test_invalid_yaml_names_file(tmp_path):
     (["optimizer.lr_decay_style=exp"], 1, "lr_decay_style"),
     (["batch.seq_length=4096"], 1, "max_position_embeddings"),
     (["parallel.sequence_parallel=true"], 1, "sequence_parallel"),
+    (["parallel.context_parallel_size=2"], 2, None),
+    (["parallel.context_parallel_size=2", "rollout.engine=megatron"], 2,
+     r"context_parallel_size=2 is not supported with rollout.engine=megatron"),
 ])
 def test_validate_rules(overrides, world, rule):
     config = load_config(None, overrides)

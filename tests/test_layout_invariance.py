@@ -1,7 +1,8 @@
 """The same weights give the same numbers at every layout (fp32, max abs difference <= 1e-5).
 
-For TP1/PP1 (the reference) and, in a world of 4, TP2xPP2 and TP4 (KV heads replicated) (worlds
-of two for TP2, PP2 and DP2 alone were dropped for suite time); 3 layers, so every PP2 layout has
+For TP1/PP1 (the reference) and, in a world of 4, TP2xPP2, TP4 (KV heads replicated) and TP2 x
+CP2 with sequence parallelism (worlds of two for TP2, PP2 and DP2 alone were dropped for suite
+time); 3 layers, so every PP2 layout has
 uneven stages (2 and 1 layers: config.parallel.pipeline_stage_layers, which Megatron builds from
 its first/last-stage counts): per-token log-probs, entropies and critic values before training,
 the global loss and grad norm of one step, and every updated weight after one Adam step of
@@ -34,13 +35,13 @@ _cache = {}
 
 
 def layout_result(tmp_path_factory, model, tp, pp, world, use_distributed_optimizer=True, ep=1,
-                  dispatcher="alltoall", sequence_parallel=False, etp=None):
+                  dispatcher="alltoall", sequence_parallel=False, etp=None, cp=1):
     key = (model, tp, pp, world, use_distributed_optimizer, ep, dispatcher, sequence_parallel,
-           etp)
+           etp, cp)
     if key not in _cache:
         path = tmp_path_factory.mktemp("layout") / "result.pt"
         run_world(world, run_layout, model, tp, pp, str(path), use_distributed_optimizer, ep,
-                  dispatcher, sequence_parallel, etp)
+                  dispatcher, sequence_parallel, etp, cp)
         _cache[key] = torch.load(path, weights_only=False)
     return _cache[key]
 
@@ -82,14 +83,20 @@ def reference(tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 2), (4, 1)], ids=["TP2PP2", "TP4"])
-def test_world_of_four_matches_reference(tmp_path_factory, reference, tp, pp):
+@pytest.mark.parametrize("tp, pp, cp", [(2, 2, 1), (4, 1, 1), (2, 1, 2)],
+                         ids=["TP2PP2", "TP4", "TP2xCP2-SP"])
+def test_world_of_four_matches_reference(tmp_path_factory, reference, tp, pp, cp):
     """TP2 x PP2 over uneven stages (2 and 1 layers). (TP2 x DP2 with sequence parallelism runs
-    in the MoE world TP2xEP2xETP1-SP below: its first layer is this model's dense layer.)"""
+    in the MoE world TP2xEP2xETP1-SP below: its first layer is this model's dense layer.)
+    TP2 x CP2 with sequence parallelism: each rank holds two of four chunks of every sequence
+    (padded from 22 to 24 positions), attends over keys all-gathered in the CP group
+    (models/context_parallel.py) and its TP half of the heads, and computes its chunks' log-probs
+    and values; the losses' token counts are summed over DP x CP."""
     from mcore_rl.param_layout.sharding import stage_layers
 
     assert stage_layers(MODEL, 2) == (2, 1)
-    assert_same(layout_result(tmp_path_factory, MODEL, tp, pp, 4), reference)
+    assert_same(layout_result(tmp_path_factory, MODEL, tp, pp, 4, sequence_parallel=cp > 1,
+                              cp=cp), reference)
 
 
 def test_tied_embeddings_across_pipeline_stages(tmp_path_factory):
@@ -105,21 +112,23 @@ MOE = dataclasses.replace(MODEL, moe=MoEConfig(
 shared expert."""
 
 
-@pytest.mark.parametrize("tp, pp, ep, world, dispatcher, etp",
-                         [(1, 1, 2, 2, "alltoall", None), (1, 2, 2, 4, "alltoall", None),
-                          (1, 1, 2, 2, "allgather", None), (2, 1, 1, 2, "alltoall", None),
-                          (2, 1, 2, 4, "alltoall", 1)],
-                         ids=["EP2", "PP2EP2", "EP2-allgather", "TP2-SP", "TP2xEP2xETP1-SP"])
+@pytest.mark.parametrize("tp, pp, ep, world, dispatcher, etp, cp",
+                         [(1, 1, 2, 2, "alltoall", None, 1), (1, 2, 2, 4, "alltoall", None, 1),
+                          (1, 1, 2, 2, "allgather", None, 1), (2, 1, 1, 2, "alltoall", None, 1),
+                          (2, 1, 2, 4, "alltoall", 1, 1), (1, 1, 2, 2, "alltoall", None, 2)],
+                         ids=["EP2", "PP2EP2", "EP2-allgather", "TP2-SP", "TP2xEP2xETP1-SP",
+                              "CP2xEP2"])
 def test_experts_split_over_ranks_train_like_one_rank(tmp_path_factory, tp, pp, ep, world,
-                                                      dispatcher, etp):
+                                                      dispatcher, etp, cp):
     """One Adam step of the MoE model with its experts split over EP ranks (tokens exchanged
     all-to-all, or all-gathered, expert gradients reduced over the expert data-parallel ranks),
     or over TP ranks (Megatron's MoE layer needs sequence parallelism there: models/norm.py),
     equals the step on one rank. At TP2 x EP2 x ETP1 the expert grid cuts across the TP
-    groups: the two ranks of a TP group hold different whole experts (runtime/layout.py)."""
+    groups: the two ranks of a TP group hold different whole experts (runtime/layout.py). At
+    CP2 x EP2 the two ranks hold two sequence chunks each and exchange those tokens."""
     reference = layout_result(tmp_path_factory, MOE, 1, 1, 1)
     result = layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep, dispatcher=dispatcher,
-                           sequence_parallel=tp > 1, etp=etp)
+                           sequence_parallel=tp > 1, etp=etp, cp=cp)
     if etp is not None:  # the experts really are laid out at ETP1: ranks 0, 1 are one TP group
         assert [(tp_rank, ep_rank) for tp_rank, ep_rank, _ in result["expert_grid"][:2]] \
             == [(0, 0), (1, 1)]
@@ -127,11 +136,12 @@ def test_experts_split_over_ranks_train_like_one_rank(tmp_path_factory, tp, pp, 
     assert_same(result, reference)
 
 
-@pytest.mark.parametrize("tp, pp, ep, world, etp",
-                         [(1, 1, 1, 1, None), (1, 1, 2, 2, None), (1, 2, 2, 4, None),
-                          (2, 1, 1, 2, None), (2, 1, 2, 4, 1)],
-                         ids=["one-rank", "EP2", "PP2EP2", "TP2-SP", "TP2xEP2xETP1-SP"])
-def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world, etp):
+@pytest.mark.parametrize("tp, pp, ep, world, etp, cp",
+                         [(1, 1, 1, 1, None, 1), (1, 1, 2, 2, None, 1), (1, 2, 2, 4, None, 1),
+                          (2, 1, 1, 2, None, 1), (2, 1, 2, 4, 1, 1), (1, 1, 2, 2, None, 2)],
+                         ids=["one-rank", "EP2", "PP2EP2", "TP2-SP", "TP2xEP2xETP1-SP",
+                              "CP2xEP2"])
+def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world, etp, cp):
     """Routing replay (models/moe_routing.py, Megatron's RouterReplay) in the worlds above:
     replaying the routes the routers took reproduces the log-probs; replaying every route moved
     to the next expert is followed by every router (observed, not assumed), changes the
@@ -139,7 +149,7 @@ def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world, et
     choices against the given routes); the MoE metrics are the same in every layout."""
     one_rank = layout_result(tmp_path_factory, MOE, 1, 1, 1)["routing"]
     routing = layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep,
-                            sequence_parallel=tp > 1, etp=etp)["routing"]
+                            sequence_parallel=tp > 1, etp=etp, cp=cp)["routing"]
     natural = routing["natural"]["logprobs"]
     assert (routing["replayed"]["logprobs"] - natural).abs().max() <= 1e-6
     moved_change = (routing["moved"]["logprobs"] - natural).abs().max().item()

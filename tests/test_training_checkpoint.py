@@ -23,9 +23,11 @@ def _records(out) -> list:
             for rank in range(2)]
 
 
-def _world(tp, root, out, resume=False, save_steps=(), kill_at=0, actor_from=1, ep=1):
+def _world(tp, root, out, resume=False, save_steps=(), kill_at=0, actor_from=1, ep=1, cp=1,
+           rank_states=True):
     os.makedirs(out, exist_ok=True)
-    run_world(2, run, tp, str(root), str(out), resume, save_steps, kill_at, actor_from, ep)
+    run_world(2, run, tp, str(root), str(out), resume, save_steps, kill_at, actor_from, ep, cp,
+              rank_states)
     return _records(out)
 
 
@@ -45,11 +47,19 @@ def _marker(root, step) -> dict:
         return json.load(handle)
 
 
-def test_killed_run_resumes_bitwise_at_dp2(tmp_path):
+@pytest.fixture(scope="module")
+def dp2_run(tmp_path_factory):
+    """An uninterrupted DP2 run that saves step 1 without rank-local state: (its records, its
+    checkpoint root)."""
+    path = tmp_path_factory.mktemp("dp2")
+    return _world(1, path / "run", path / "out", save_steps=(1,), rank_states=False), path / "run"
+
+
+def test_killed_run_resumes_bitwise_at_dp2(tmp_path, dp2_run):
     """DP2: the actor's distributed optimizer state is sharded over the two ranks. Rank 0 is
     SIGKILLed in the save after step 2, once every rank has written its files; the resumed run
-    matches a run that never saved."""
-    reference = _world(1, tmp_path / "reference", tmp_path / "reference_out")  # saves nothing
+    matches the uninterrupted one."""
+    reference = dp2_run[0]
     root = tmp_path / "killed"
     with pytest.raises(ProcessExitedException, match="SIGKILL"):
         _world(1, root, tmp_path / "killed_out", save_steps=(1, 2), kill_at=2)
@@ -102,6 +112,39 @@ def test_moe_with_experts_split_resumes_bitwise_and_only_at_its_ep(tmp_path):
     problems = compatibility_problems(str(root / checkpoint_name(1)), _marker(root, 1),
                                       ["actor", "critic"], without_ep)
     assert "a training-state checkpoint resumes only in the layout that saved it" in problems[0]
+
+
+def test_a_dp2_checkpoint_resumes_at_cp2(tmp_path, dp2_run):
+    """Two ranks trade data for context parallelism (a curriculum to longer responses): the
+    step-1 checkpoint of a DP2 run resumes at CP2, whose ranks hold the same weights and the same
+    distributed-optimizer shards (Megatron shards it over DP x CP) and now split every sequence
+    instead of the batch; steps 2-3 equal the uninterrupted DP2 run's within 1e-5 (not bitwise:
+    the sums run in another order). A rank holding state of its old data shard (a rollout
+    generated ahead) is refused by name."""
+    from mcore_rl.training.checkpointer import _rank_state_problems
+
+    reference, root = dp2_run
+    resumed = _world(1, root, tmp_path / "resumed_out", resume=True, cp=2)
+    for rank in range(2):
+        assert resumed[rank]["loaded"] == (1, dict(trainer_state(1), rank_state=None))
+        for step in (2, 3):
+            for role in ("actor", "critic"):
+                got = resumed[rank]["metrics"][step][role]
+                want = reference[rank]["metrics"][step][role]
+                for name in ("loss", "grad_norm"):
+                    assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), \
+                        (step, role, name)
+            assert torch.equal(resumed[rank]["draws"][step], reference[rank]["draws"][step])
+        for role, params in reference[rank]["params"].items():
+            for name, tensor in params.items():
+                torch.testing.assert_close(resumed[rank]["params"][role][name], tensor,
+                                           rtol=0, atol=1e-5)
+    marker = _marker(root, 1)
+    problems = _rank_state_problems(str(root / checkpoint_name(1)), marker,
+                                    dict(marker["layout"], context_parallel_size=2),
+                                    {"pending_rollout": ["a rollout"]})
+    assert "saved at context_parallel_size=1, this job runs 2" in problems[0]
+    assert "pending_rollout" in problems[0]
 
 
 def test_latest_checkpoint_ignores_incomplete_and_unmarked(tmp_path):

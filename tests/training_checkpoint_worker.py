@@ -42,10 +42,11 @@ KEEP_LAST = 2
 CONFIG_YAML = "model:\n  num_layers: 2\n"
 
 
-def job_config(tp: int, ep: int = 1) -> JobConfig:
+def job_config(tp: int, ep: int = 1, cp: int = 1) -> JobConfig:
     return JobConfig(model=MOE_MODEL if ep > 1 else MODEL,
                      parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                             expert_model_parallel_size=ep),
+                                             expert_model_parallel_size=ep,
+                                             context_parallel_size=cp),
                      optimizer=ACTOR_OPTIMIZER,
                      batch=BatchConfig(global_batch_size=4, micro_batch_size=1, seq_length=16),
                      runtime=RuntimeConfig(seed=7))
@@ -103,12 +104,13 @@ def _die_before_publishing(*args, **kwargs) -> None:
 
 
 def run(tp: int, root: str, out: str, resume: bool, save_steps: tuple, kill_at: int,
-        actor_from: int, ep: int = 1) -> None:
+        actor_from: int, ep: int = 1, cp: int = 1, rank_states: bool = True) -> None:
     """Train steps 1..STEPS (after the newest checkpoint when `resume`), saving after each step
     in `save_steps`; with `kill_at`, rank 0 SIGKILLs itself in that step's save, after every
     rank has written its files but before the checkpoint is published. The actor trains from
     step `actor_from` on (a critic warm-up: until then its optimizer has no state). ep > 1:
-    the MoE model with its experts split over the ranks."""
+    the MoE model with its experts split over the ranks; cp > 1: context parallelism;
+    rank_states False: the ranks save no state of their own (rank_state None)."""
     import logging
 
     from megatron.core import parallel_state
@@ -116,7 +118,7 @@ def run(tp: int, root: str, out: str, resume: bool, save_steps: tuple, kill_at: 
     # On the CPU the tracker's fork swaps the CPU generator itself, so Megatron's "CPU RNG state
     # changed within GPU RNG context" warning fires on every draw.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
-    config = job_config(tp, ep)
+    config = job_config(tp, ep, cp)
     initialize(config)
     models = build_models(config)
     record = {"metrics": {}, "draws": {}, "loaded": None}
@@ -143,7 +145,7 @@ def run(tp: int, root: str, out: str, resume: bool, save_steps: tuple, kill_at: 
             if step == kill_at and dist.get_rank() == 0:
                 training_state._publish = _die_before_publishing
             save_training_state(root, step, models, trainer_state(step), CONFIG_YAML, KEEP_LAST,
-                                rank_state=rank_state(step))
+                                rank_state=rank_state(step) if rank_states else None)
     record["params"] = {role: {name: param.detach().clone() for name, param in
                                model.chunks[0].module.named_parameters()}
                         for role, model in models.items()}

@@ -139,7 +139,7 @@ def validate(config: JobConfig, world_size: int) -> JobConfig:
     if config.trainer.console_every < 1:
         errors.append(f"trainer.console_every={config.trainer.console_every} must be >= 1")
     if not errors:
-        errors += _moe_tensor_parallel_errors(config)
+        errors += _moe_tensor_parallel_errors(config) + _context_parallel_errors(config)
     if errors:
         raise ConfigError("invalid configuration (world size %d):\n  - %s"
                           % (world_size, "\n  - ".join(errors)))
@@ -155,6 +155,22 @@ def _moe_tensor_parallel_errors(config: JobConfig) -> list[str]:
         return ["a Mixture-of-Experts model at tensor_model_parallel_size > 1 trains only "
                 "with parallel.sequence_parallel=true (Megatron's MoE layer)"]
     return []
+
+
+def _context_parallel_errors(config: JobConfig) -> list[str]:
+    """What context parallelism cannot be combined with yet (models/context_parallel.py)."""
+    cp = config.parallel.context_parallel_size
+    if cp == 1:
+        return []
+    unsupported = {
+        "rollout.engine=megatron (it generates on the actor's parameters without CP; use "
+        "vllm)": config.rollout.engine == "megatron",
+        "teacher.enabled (a teacher's own layout has no CP)": config.teacher.enabled,
+        "placement.rollout_ranks > 0 (split placement hands rows to data-parallel ranks; "
+        "CP runs colocated)": config.placement.split,
+    }
+    return [f"parallel.context_parallel_size={cp} is not supported with {what}"
+            for what, present in unsupported.items() if present]
 
 
 MOE_DATASET_JOBS = ("sft", "dpo", "rm")

@@ -48,6 +48,14 @@ def with_expert_dimension(order: str) -> str:
     return order if "ep" in order.split("-") else order.replace("dp", "ep-dp")
 
 
+def with_context_dimension(order: str) -> str:
+    """Megatron's order string with "cp" just before "dp" (Megatron's own default,
+    tp-cp-ep-dp-pp, places it there): a data shard's CP ranks are then neighbours, and a layout
+    that ignores CP (resharding: CP ranks hold the same weights) reads DP x CP as one
+    replica dimension."""
+    return order if "cp" in order.split("-") else order.replace("dp", "cp-dp")
+
+
 def expert_grid_errors(expert_parallel: int, expert_tensor_parallel: int,
                        stage_ranks: int) -> list[str]:
     """Megatron lays the experts over the ranks of each pipeline stage as a second grid,
@@ -74,7 +82,11 @@ class ParallelConfig:
     PP4: 23, 24, 24, 23)."""
 
     context_parallel_size: int = 1
-    """Ranks that split the sequence (Megatron CP). Reserved: only 1 is supported today."""
+    """Ranks that split every sequence (Megatron CP, for long sequences): each holds two of
+    2 x CP chunks (load-balanced for causal attention) and the activations of those positions
+    only; weights are replicated like data parallelism's. Micro-batches are padded to a
+    multiple of 2 x CP positions (x TP with sequence parallelism). Attention through
+    Transformer Engine's CP when it imports, else models/context_parallel.py."""
 
     expert_model_parallel_size: int = 1
     """Ranks that split MoE experts (Megatron EP): each holds model.moe.num_experts / EP of them,
@@ -122,6 +134,8 @@ class ParallelConfig:
         expert group are then consecutive among the data-parallel ranks (Megatron's own
         default, tp-cp-ep-dp-pp, places it there too)."""
         order = MEGATRON_DEFAULT_ORDER if self.rank_order == AUTO_ORDER else self.rank_order
+        if self.context_parallel_size > 1:
+            order = with_context_dimension(order)
         return with_expert_dimension(order) if self.expert_model_parallel_size > 1 else order
 
     def check(self, world_size: int, world_name: str = "") -> list[str]:
@@ -134,9 +148,6 @@ class ParallelConfig:
                 errors.append(f"parallel.{name}={getattr(self, name)} must be >= 1")
         if errors:
             return errors
-        if self.context_parallel_size != 1:
-            errors.append("parallel.context_parallel_size must be 1 (context parallelism is "
-                          "reserved for a later release)")
         orders = ["-".join(order) for order in permutations(MEGATRON_DEFAULT_ORDER.split("-"))]
         if self.rank_order not in (AUTO_ORDER, *orders):
             errors.append(f"parallel.rank_order={self.rank_order!r} must be auto or one of "

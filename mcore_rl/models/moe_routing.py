@@ -31,6 +31,8 @@ import torch.distributed as dist
 from mcore_rl.config.model import ModelConfig
 from mcore_rl.runtime.layout import training_group, training_rank
 
+from .context_parallel import gather_sequence, split_for_rank
+
 NO_ROUTE = -1
 """``routed_experts`` entry of a (token, layer) with no given route."""
 
@@ -70,27 +72,30 @@ def local_routers(chunk, model: ModelConfig) -> list[tuple[int, torch.nn.Module]
 
 
 def _sequence_major(per_token: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-    """[b, s, ...] -> the router's token order [s_local * b, ...]: sequence-major, and with
-    sequence parallelism only this TP rank's chunk of the sequence."""
-    tokens = per_token.transpose(0, 1)
+    """[b, s, ...] -> the router's token order [s_local * b, ...]: sequence-major, under
+    context parallelism this CP rank's two chunks, and with sequence parallelism only this TP
+    rank's part of those."""
+    here = training_rank()
+    tokens = split_for_rank(per_token, 1, here.cp_rank, here.cp_size).transpose(0, 1)
     if sequence_parallel:
-        here = training_rank()
         tokens = tokens.chunk(here.tp_size)[here.tp_rank]
     return tokens.reshape(-1, *per_token.shape[2:])
 
 
-def _whole_sequence(tokens: torch.Tensor) -> torch.Tensor:
-    """This TP rank's [s_local * b, ...] sequence chunk -> the whole [s * b, ...], gathered
-    over the TP ranks (the inverse of `_sequence_major`'s chunking)."""
-    group = training_group("tp")
-    whole = tokens.new_empty((tokens.shape[0] * dist.get_world_size(group), *tokens.shape[1:]))
-    dist.all_gather_into_tensor(whole, tokens.contiguous(), group=group)
-    return whole
-
-
-def _batch_major(tokens: torch.Tensor, batch: int) -> torch.Tensor:
-    """The router's [s_local * b, ...] -> [b, s_local, ...]."""
-    return tokens.reshape(-1, batch, *tokens.shape[1:]).transpose(0, 1)
+def _whole_sequence(tokens: torch.Tensor, rows: int, sequence_parallel: bool) -> torch.Tensor:
+    """This rank's [s_local * b, ...] tokens -> [b, s, ...] in sequence order, gathered over
+    the TP ranks (with sequence parallelism) and the CP ranks (the inverse of
+    `_sequence_major`)."""
+    if sequence_parallel:
+        group = training_group("tp")
+        whole = tokens.new_empty((tokens.shape[0] * dist.get_world_size(group),
+                                  *tokens.shape[1:]))
+        dist.all_gather_into_tensor(whole, tokens.contiguous(), group=group)
+        tokens = whole
+    by_position = tokens.reshape(-1, rows, *tokens.shape[1:])
+    if training_rank().cp_size > 1:
+        by_position = gather_sequence(by_position, training_group("cp"), sum_gradients=False)
+    return by_position.transpose(0, 1)
 
 
 class RoutingPass:
@@ -172,8 +177,9 @@ class RoutingPass:
                  taken_by_row: torch.Tensor | None) -> None:
         """Add one router's forward to the pass's figures, over the real tokens that have a
         given route when routes are given (a replayed filler route is no router's choice);
-        keep its routes in `taken_by_row` [b, s, layers, k] (under sequence parallelism the
-        TP ranks' chunks gathered: every TP rank runs each router, in the same order)."""
+        keep its routes in `taken_by_row` [b, s, layers, k] (under sequence and context
+        parallelism the ranks' parts gathered: every rank runs each router, in the same
+        order)."""
         sequence_parallel = router.config.sequence_parallel
         counted = _sequence_major(micro_batch["attention_mask"].bool(), sequence_parallel)
         # Dropless routing: each token's row holds exactly k experts (in no particular order).
@@ -204,8 +210,7 @@ class RoutingPass:
         tokens[slot] += counted.sum()
         if taken_by_row is not None:
             rows = micro_batch["attention_mask"].shape[0]
-            whole = _whole_sequence(taken) if sequence_parallel else taken
-            taken_by_row[:, :, slot] = _batch_major(whole, rows)
+            taken_by_row[:, :, slot] = _whole_sequence(taken, rows, sequence_parallel)
 
     def _no_routes(self, rows: int, length: int, device=None) -> torch.Tensor:
         return torch.full((rows, length, self.layers, self.topk), NO_ROUTE, dtype=torch.int16,
@@ -215,8 +220,8 @@ class RoutingPass:
         """The kept routes as a batch field [rows, length, layers, k] in host memory (this
         stage's layers; NO_ROUTE in the other stages' slots)."""
         result = self._no_routes(rows, length)
-        for row_ids, taken in self._taken:
-            result[row_ids, :taken.shape[1]] = taken
+        for row_ids, taken in self._taken:  # micro-batches padded for CP/SP may be longer
+            result[row_ids, :taken.shape[1]] = taken[:, :length]
         return result
 
     def metrics(self, device: torch.device) -> dict[str, float]:

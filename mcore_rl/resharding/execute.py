@@ -230,10 +230,11 @@ def megatron_training_layout(model, order: str = "-".join(DEFAULT_ORDER)) -> Tra
     `order`, after checking that this rank's coordinates in it (expert-parallel rank included)
     are the ones Megatron assigned (the plan relies on the rank order)."""
     here = training_rank()
-    layout = TrainingLayout(model, here.tp_size, here.pp_size, here.dp_size,
+    # CP ranks hold the same weights: to the resharder they are more replicas.
+    layout = TrainingLayout(model, here.tp_size, here.pp_size, here.dp_size * here.cp_size,
                             layout_order(order), here.ep_size, here.etp_size)
     rank = dist.get_rank()
-    mine = (here.tp_rank, here.pp_rank, here.dp_rank, here.ep_rank, here.etp_rank)
+    mine = (here.tp_rank, here.pp_rank, here.replica_rank, here.ep_rank, here.etp_rank)
     assumed = layout.coordinates(rank) + layout.holding(rank)[2:]
     if assumed != mine:
         raise PlanError(f"rank {rank} has Megatron coordinates (tp, pp, dp, ep, etp) = {mine} but "

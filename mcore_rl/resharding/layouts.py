@@ -262,8 +262,10 @@ PP."""
 def layout_order(megatron_order: str) -> tuple[str, ...]:
     """The TP/DP/PP order of Megatron's ``order`` string. With expert parallelism Megatron's
     order has "ep" just before "dp" (config.parallel): EP ranks are then the data-parallel
-    coordinate modulo EP, which `TrainingLayout` derives, so the layout keeps three names."""
-    return tuple(name for name in megatron_order.split("-") if name != "ep")
+    coordinate modulo EP, which `TrainingLayout` derives, so the layout keeps three names. With
+    context parallelism "cp" sits just before them: CP ranks hold the same weights, so "dp"
+    here counts DP x CP replicas."""
+    return tuple(name for name in megatron_order.split("-") if name not in ("ep", "cp"))
 
 
 @dataclass(frozen=True)

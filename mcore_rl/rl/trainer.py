@@ -121,11 +121,11 @@ class Trainer:
                            "trainer.resume=false)")
         here = training_rank()
         self.dp_group = training_group("dp")
-        model_parallel = training_group("mp")
+        shard_group = training_group("shard")
         self.data = load_training_data(config, here.dp_rank, here.dp_size)
         if self.runtime.split is None:
             self.roles, self.scheduler = _colocated_rollouts(config, self.data, reward_fn,
-                                                              self.runtime, model_parallel,
+                                                              self.runtime, shard_group,
                                                               self.dp_group)
         else:
             self.roles = build_roles(config, self.runtime.device, self.data.tokenizer)
@@ -409,18 +409,19 @@ class Trainer:
         shutdown()
 
 
-def _colocated_rollouts(config: JobConfig, data, reward_fn, runtime, model_parallel, dp_group):
+def _colocated_rollouts(config: JobConfig, data, reward_fn, runtime, shard_group, dp_group):
     """The roles and the rollout scheduler when every rank trains and generates: the engine on
-    these ranks, the rule rewards on the first rank of each model-parallel group."""
+    these ranks, the rule rewards on the first rank of each data shard's group (TP x CP x
+    PP)."""
     rule_reward = build_rule_reward(config, data, reward_fn, is_scorer=dist.get_rank()
-                                    == dist.get_process_group_ranks(model_parallel)[0])
+                                    == dist.get_process_group_ranks(shard_group)[0])
     engine, weight_sync, roles = build_engine_and_roles(config, runtime.device, data.tokenizer)
     parkings = [HostParking(role.trainable) for role, role_config in
                 ((roles.actor, config.actor), (roles.critic, config.critic))
                 if role is not None and role_config.offload]
     generator = PolicyGenerator(engine, weight_sync, roles.actor, parkings,
                                 PromptConfig(max_prompt_tokens=config.data.max_prompt_tokens))
-    scorer = Scorer(rule_reward, roles.reward_model, data.pad_id, model_parallel)
+    scorer = Scorer(rule_reward, roles.reward_model, data.pad_id, shard_group)
     return roles, RolloutScheduler(config, data, generator, scorer, dp_group,
                                    build_episode_runner(config, data))
 

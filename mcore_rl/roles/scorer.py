@@ -1,6 +1,6 @@
 """Scoring: rule rewards and a reward model through one path.
 
-Every rank of a model-parallel group (TP x PP) must train on identical rows, so the group's
+Every rank of a data shard's group (TP x CP x PP) must train on identical rows, so the group's
 first rank is the source of truth for what was generated and how it scored: it scores its
 generation with the rule rewards (sandboxed workers run only there) and broadcasts both to the
 group. A reward model is itself model-parallel, so it scores on every rank, after the
@@ -21,17 +21,17 @@ from .reward_model import RewardModel
 
 
 class Scorer:
-    """One RewardResult per completion, identical on every rank of a model-parallel group."""
+    """One RewardResult per completion, identical on every rank of a data shard's group."""
 
     def __init__(self, rule_reward: RuleReward | None, reward_model: RewardModel | None,
-                 pad_id: int, model_parallel_group):
+                 pad_id: int, shard_group):
         self.rule_reward = rule_reward
         """The rule rewards (only on the group's first rank): the reward, or with a reward
         model only the ground-truth check (None where the data sources have no rule)."""
         self.reward_model = reward_model
         self.pad_id = pad_id
-        self.group = model_parallel_group
-        self.source = dist.get_process_group_ranks(model_parallel_group)[0]
+        self.group = shard_group
+        self.source = dist.get_process_group_ranks(shard_group)[0]
         """The global rank whose generation and rule scores the group adopts."""
 
     def score(self, generation: Generation, records: list, tag: str

@@ -146,6 +146,12 @@ class TrainingRank:
     pp_rank: int
     dp_size: int
     dp_rank: int
+    """Which data shard (rows of a batch) the rank trains on; CP peers share it."""
+
+    cp_size: int
+    cp_rank: int
+    """Which two chunks of each sequence the rank holds (models/context_parallel.py)."""
+
     replica_rank: int
     """Which copy of the model's weights the rank holds (data x context parallel rank)."""
 
@@ -176,6 +182,7 @@ def training_rank() -> TrainingRank:
         ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
         ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
         ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+        ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
         ps.get_data_parallel_rank(with_context_parallel=True),
         ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
         ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
@@ -185,17 +192,25 @@ def training_rank() -> TrainingRank:
 _GROUP_GETTERS = {"tp": "get_tensor_model_parallel_group",
                   "pp": "get_pipeline_model_parallel_group",
                   "dp": "get_data_parallel_group",
+                  "cp": "get_context_parallel_group",
                   "mp": "get_model_parallel_group",
                   "ep": "get_expert_model_parallel_group",
                   "edp": "get_expert_data_parallel_group"}
-"""Process groups of the trained models' layout by short name: tensor, pipeline, data, model
-(TP x PP), expert and expert-data parallel."""
+"""Process groups of the trained models' layout by short name: tensor, pipeline, data, context,
+model (TP x PP), expert and expert-data parallel; and "shard": the ranks that train on one data
+shard (TP x CP x PP; Megatron's model-parallel group when CP is 1)."""
+
+_shard_group = None
+"""The "shard" group when CP > 1 (Megatron has none spanning TP x CP x PP)."""
 
 
 def training_group(name: str):
-    """The trained models' process group ``name`` (one of `_GROUP_GETTERS`) on this rank."""
+    """The trained models' process group ``name`` (one of `_GROUP_GETTERS`, or "shard") on
+    this rank."""
     from megatron.core import parallel_state as ps
 
+    if name == "shard":
+        return _shard_group if _shard_group is not None else ps.get_model_parallel_group()
     return getattr(ps, _GROUP_GETTERS[name])()
 
 
@@ -215,11 +230,26 @@ def initialize_training_groups(layout: ParallelLayout, timeout_minutes: float) -
         context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
         distributed_timeout_minutes=timeout_minutes, order=layout.order)
+    global _shard_group
+    if layout.cp > 1:  # every rank creates every shard's group, in the same order
+        import datetime
+
+        import torch.distributed as dist
+
+        mine = ps.get_data_parallel_rank()
+        for dp_rank in range(layout.dp):
+            ranks = sorted(layout.rank_of(tp, pp, dp_rank, cp) for tp in range(layout.tp)
+                           for pp in range(layout.pp) for cp in range(layout.cp))
+            group = dist.new_group(ranks, timeout=datetime.timedelta(minutes=timeout_minutes))
+            if dp_rank == mine:
+                _shard_group = group
 
 
 def destroy_training_groups() -> None:
     """Tear down Megatron's parallel state when it exists."""
     from megatron.core import parallel_state as ps
 
+    global _shard_group
+    _shard_group = None
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

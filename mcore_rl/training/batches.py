@@ -79,6 +79,22 @@ def token_budget_micro_batches(batch: Batch, max_tokens: int, length_multiple: i
     return micro_batches, order
 
 
+def pad_columns_to_multiple(batch: Batch, multiple: int, fill: dict[str, int] | None = None
+                            ) -> Batch:
+    """The batch with padding columns appended (0, or `fill[name]`; every mask 0) until its
+    sequence length is a multiple of `multiple` (context and sequence parallelism split it
+    evenly)."""
+    width = batch["input_ids"].shape[1]
+    missing = -width % multiple
+    if missing == 0:
+        return batch
+    fill = fill or {}
+    return {name: torch.cat([tensor, tensor.new_full((tensor.shape[0], missing,
+                                                      *tensor.shape[2:]), fill.get(name, 0))],
+                            dim=1)
+            if tensor.dim() > 1 else tensor for name, tensor in batch.items()}
+
+
 def pad_rows_to_multiple(batch: Batch, multiple: int) -> Batch:
     """The batch with copies of its last row appended until the row count is a multiple of
     `multiple` (pipeline schedules need equal micro-batches); slice outputs back to the

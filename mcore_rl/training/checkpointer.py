@@ -30,7 +30,8 @@ Weights and optimizer state use Megatron's own sharded state dicts, as Megatron-
 _state_dict)`, the distributed optimizer in Megatron-LM's default `dp_reshardable` format (each
 DP rank writes its own buffer shards, no gather). Megatron's keys carry the vocabulary padded for
 the saving TP and the RNG states are per rank, so a resume must use the layout that saved
-(checked: world size, TP, PP, EP). For layout-independent weights (export, another layout) use
+(checked: world size, TP, PP, EP; the CP size may change, `_without_cp`). For
+layout-independent weights (export, another layout) use
 `weights_io`. Three Megatron-Core 0.16 code paths need help here (see the functions below):
 a scalar head in LanguageModule.sharded_state_dict, and loading the DistributedOptimizer
 without Apex/Transformer Engine (torch.optim.Adam): a fresh optimizer has no state to describe,
@@ -113,7 +114,8 @@ def _world_size() -> int:
 
 def _layout() -> dict:
     """The layout a resume must match: world size, TP, PP and, when experts are split, EP, and
-    ETP when it is not TP (DP follows; dense checkpoints keep the three keys they always had)."""
+    ETP when it is not TP, CP when above 1 (DP follows; dense checkpoints keep the three keys
+    they always had)."""
     here = training_rank()
     layout = {"world_size": _world_size(), "tensor_model_parallel_size": here.tp_size,
               "pipeline_model_parallel_size": here.pp_size}
@@ -121,6 +123,8 @@ def _layout() -> dict:
         layout["expert_model_parallel_size"] = here.ep_size
     if here.etp_size != here.tp_size:
         layout["expert_tensor_parallel_size"] = here.etp_size
+    if here.cp_size > 1:
+        layout["context_parallel_size"] = here.cp_size
     return layout
 
 
@@ -454,10 +458,34 @@ def compatibility_problems(path: str, marker: dict, roles: list[str], layout: di
                             f"{ours['fingerprint'][:12]}): adapters load only onto their base")
     if marker["roles"] != roles:
         problems.append(f"{name}: has roles {marker['roles']}, the trainer has {roles}")
-    if marker["layout"] != layout:
+    if _without_cp(marker["layout"]) != _without_cp(layout):
         problems.append(f"{name}: saved by layout {marker['layout']}, this job runs {layout}; a "
                         "training-state checkpoint resumes only in the layout that saved it")
     return problems
+
+
+def _without_cp(layout: dict) -> dict:
+    """The layout but its CP size. At the same world size, TP, PP and EP, another CP trades CP
+    ranks for DP ranks: weights and every optimizer shard live on the same ranks (Megatron
+    shards the distributed optimizer over DP x CP, in the same rank order), and the sampler
+    hands out the same prompts per step. Only rank-local state (a rollout generated ahead for
+    the old DP shards) cannot move: `_rank_state_problems`."""
+    return {key: value for key, value in layout.items() if key != "context_parallel_size"}
+
+
+def _rank_state_problems(path: str, marker: dict, layout: dict, rank_state) -> list[str]:
+    """A rank's saved state belongs to its data shard at the CP that saved it."""
+    saved_cp = marker["layout"].get("context_parallel_size", 1)
+    ours = layout.get("context_parallel_size", 1)
+    if saved_cp == ours or rank_state is None:
+        return []
+    held = ([key for key, value in rank_state.items() if value is not None]
+            if isinstance(rank_state, dict) else ["rank_state"])
+    if not held:
+        return []
+    return [f"{os.path.basename(path)}: saved at context_parallel_size={saved_cp}, this job runs "
+            f"{ours}, and rank {_rank()} holds state of its old data shard ({', '.join(held)}: "
+            "a rollout generated ahead, rollout.async_rollout); resume at the saved CP"]
 
 
 def _agreed_latest(root: str) -> str | None:
@@ -479,13 +507,13 @@ def load_latest_training_state(root: str, models: dict[str, TrainableModel]
     path = _agreed_latest(os.path.abspath(root))
     if path is None:
         return None
-    marker = read_marker(path)
-    _raise_together(compatibility_problems(path, marker, sorted(models), _layout(),
-                                           _bases(models)))
+    marker, layout = read_marker(path), _layout()
+    per_rank = torch.load(_rng_path(path, _rank()), weights_only=False)
+    _raise_together(compatibility_problems(path, marker, sorted(models), layout, _bases(models))
+                    + _rank_state_problems(path, marker, layout, per_rank["rank_state"]))
     for role in sorted(models):
         _load_role(os.path.join(path, role), models[role], marker["optimizer_state"][role])
     state = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
-    per_rank = torch.load(_rng_path(path, _rank()), weights_only=False)
     _barrier()
     set_rng_states(per_rank["rng"])
     return marker["step"], dict(state, rank_state=per_rank["rank_state"])

@@ -33,13 +33,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..models.context_parallel import gather_per_token, split_for_rank
 from ..models.logprobs import vocab_parallel_logprobs_and_entropy
-from ..models.moe_routing import RoutingPass
+from ..models.moe_routing import NO_ROUTE, RoutingPass
 from ..runtime.devices import collective_device, module_device, to_device
 from ..runtime.layout import training_group, training_rank
 from ..runtime.model_groups import ModelGroups
-from .batches import (Batch, align_to_tokens, check_batch, split_micro_batches,
-                      token_budget_micro_batches)
+from .batches import (Batch, align_to_tokens, check_batch, pad_columns_to_multiple,
+                      split_micro_batches, token_budget_micro_batches)
 from .optimizer import TrainableModel
 
 LossFn = Callable[[dict, Batch], tuple]
@@ -47,22 +48,27 @@ LossFn = Callable[[dict, Batch], tuple]
 
 
 def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
-                       vocab_size: int, temperature: float, tp_group) -> dict:
-    """Megatron's last-stage output [b, s', v_local or 1] for the last s' <= s positions ->
-    token-aligned [b, s] tensors. Logits are divided by the sampling temperature (in fp32, as
-    the engine does), so log-probs score the distribution the engine sampled from."""
+                       vocab_size: int, temperature: float, tp_group, cp_group) -> dict:
+    """Megatron's last-stage output [b, s', v_local or 1] for the last s' <= s positions, or
+    under context parallelism for this rank's two chunks -> token-aligned [b, s] tensors.
+    Logits are divided by the sampling temperature (in fp32, as the engine does), so log-probs
+    score the distribution the engine sampled from."""
     mask = micro_batch["attention_mask"]
-    first = mask.shape[1] - output.shape[1]
-
-    def aligned(per_position: torch.Tensor) -> torch.Tensor:
-        return align_to_tokens(torch.nn.functional.pad(per_position, (first, 0)), mask)
-
     if head == "scalar":
-        return {"values": aligned(output.squeeze(-1).float())}
-    next_tokens = torch.roll(micro_batch["input_ids"], shifts=-1, dims=1)[:, first:]
-    logprobs, entropy = vocab_parallel_logprobs_and_entropy(
-        output, next_tokens, vocab_size, tp_group, temperature)
-    return {"logprobs": aligned(logprobs), "entropy": aligned(entropy)}
+        per_position = {"values": output.squeeze(-1).float()}
+    else:
+        next_tokens = torch.roll(micro_batch["input_ids"], shifts=-1, dims=1)
+        next_tokens = (next_tokens[:, mask.shape[1] - output.shape[1]:] if cp_group is None
+                       else split_for_rank(next_tokens, 1, cp_group.rank(), cp_group.size()))
+        logprobs, entropy = vocab_parallel_logprobs_and_entropy(
+            output, next_tokens, vocab_size, tp_group, temperature)
+        per_position = {"logprobs": logprobs, "entropy": entropy}
+    if cp_group is not None:
+        per_position = {name: gather_per_token(tensor, cp_group)
+                        for name, tensor in per_position.items()}
+    return {name: align_to_tokens(torch.nn.functional.pad(
+        tensor, (mask.shape[1] - tensor.shape[1], 0)), mask)
+        for name, tensor in per_position.items()}
 
 
 def _first_output_position(micro_batch: Batch) -> int:
@@ -93,28 +99,38 @@ def _output_layer_from(model, first: int):
         handle.remove()
 
 
-def _forward_step(head: str, vocab_size: int, temperature: float, tp_group,
+def _forward_step(head: str, vocab_size: int, temperature: float, pipeline: "_Pipeline",
                   loss_fn: LossFn | None, device: torch.device, routing: RoutingPass | None,
                   data_iterator, model):
     micro_batch = next(data_iterator)
-    first = _first_output_position(micro_batch)  # before the copy: no device sync
+    cp_group = pipeline.cp_group
+    # Before the copy (no device sync); under CP a rank's positions are not one suffix.
+    first = _first_output_position(micro_batch) if cp_group is None else 0
     micro_batch = to_device(micro_batch, device)
     input_ids = micro_batch["input_ids"]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    if cp_group is not None:
+        input_ids, positions = (split_for_rank(tensor, 1, cp_group.rank(), cp_group.size())
+                                for tensor in (input_ids, positions))
     routers = routing.micro_batch(model, micro_batch) if routing else nullcontext()
     with _output_layer_from(model, first), routers:
         output = model(input_ids, positions, attention_mask=None)
 
     def loss_func(output_tensor, non_loss_data: bool = False):
         outputs = _per_token_outputs(output_tensor, micro_batch, head, vocab_size, temperature,
-                                     tp_group)
+                                     pipeline.tp_group, cp_group)
         if non_loss_data:
             return {name: tensor.detach() for name, tensor in outputs.items()}
         numerator, denominator, metrics = loss_fn(outputs, micro_batch)
         device = numerator.device
-        metrics = dict(metrics, loss_numerator=numerator.detach(), loss_denominator=torch.as_tensor(
-            denominator, dtype=torch.float32, device=device))
-        return numerator, torch.as_tensor(denominator, dtype=torch.int, device=device), metrics
+        denominator = torch.as_tensor(denominator, dtype=torch.int, device=device)
+        metrics = dict(metrics, loss_numerator=numerator.detach(),
+                       loss_denominator=denominator.float())
+        if cp_group is not None and cp_group.rank() > 0:
+            # Every CP rank computes the whole loss from the gathered outputs (its gradient
+            # reaches its own positions only); Megatron sums the token counts over DP x CP.
+            denominator = torch.zeros_like(denominator)
+        return numerator, denominator, metrics
 
     return output, loss_func
 
@@ -129,13 +145,26 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
 
     config = get_model_config(chunks[0])
     config.variable_seq_lengths = max_tokens > 0
+    length_multiple = _length_multiple(config)
     if max_tokens <= 0:
-        micro_batches = split_micro_batches(batch, micro_batch_size)
+        micro_batches, order = split_micro_batches(batch, micro_batch_size), None
+    else:
+        micro_batches, order = token_budget_micro_batches(batch, max_tokens, length_multiple)
+    micro_batches = [pad_columns_to_multiple(micro_batch, length_multiple,
+                                             {"routed_experts": NO_ROUTE})
+                     for micro_batch in micro_batches]
+    if max_tokens <= 0:
         return micro_batches, None, len(micro_batches)
-    length_multiple = training_rank().tp_size if config.sequence_parallel else 1
-    micro_batches, order = token_budget_micro_batches(batch, max_tokens, length_multiple)
     fillers = _expert_group_fillers(micro_batches, length_multiple)
     return micro_batches + fillers, order, len(micro_batches)
+
+
+def _length_multiple(config) -> int:
+    """What a micro-batch's sequence length must be a multiple of: 2 x CP chunks, each split
+    over the TP ranks with sequence parallelism."""
+    cp = config.context_parallel_size
+    return (2 * cp if cp > 1 else 1) * (config.tensor_model_parallel_size
+                                        if config.sequence_parallel else 1)
 
 
 def _expert_group_fillers(micro_batches: list[Batch], length: int) -> list[Batch]:
@@ -168,6 +197,9 @@ class _Pipeline:
 
     tp_group: object
     pp_group: object
+    cp_group: object
+    """The context-parallel group, None at CP 1."""
+
     last_stage_rank: int
     """The global rank of the pipeline's last stage, which computes the outputs."""
 
@@ -182,7 +214,9 @@ def _pipeline(model, groups: ModelGroups | None) -> _Pipeline:
     if groups is None:
         here = training_rank()
         return _Pipeline(get_forward_backward_func(), training_group("tp"),
-                         training_group("pp"), here.last_stage_rank, here.is_last_stage)
+                         training_group("pp"),
+                         training_group("cp") if here.cp_size > 1 else None,
+                         here.last_stage_rank, here.is_last_stage)
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.utils import get_model_config
 
@@ -190,7 +224,7 @@ def _pipeline(model, groups: ModelGroups | None) -> _Pipeline:
     if groups.pp_size > 1:
         own["p2p_communicator"] = P2PCommunicator(groups.collection.pp, get_model_config(model))
     return _Pipeline(partial(get_forward_backward_func(pp_size=groups.pp_size), **own),
-                     groups.collection.tp, groups.collection.pp, groups.last_stage_rank,
+                     groups.collection.tp, groups.collection.pp, None, groups.last_stage_rank,
                      groups.is_last_stage)
 
 
@@ -204,8 +238,8 @@ def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_siz
     # With variable shapes (a token budget) Megatron sends each shape ahead between stages.
     batch_size, seq_length = micro_batches[0]["input_ids"].shape
     return pipeline.schedule(
-        forward_step_func=partial(_forward_step, head, vocab_size, temperature,
-                                  pipeline.tp_group, loss_fn, module_device(chunks[0]), routing),
+        forward_step_func=partial(_forward_step, head, vocab_size, temperature, pipeline,
+                                  loss_fn, module_device(chunks[0]), routing),
         data_iterator=iter(micro_batches),
         model=chunks,
         num_microbatches=len(micro_batches),
@@ -258,7 +292,9 @@ def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str
 
 def _in_batch_order(outputs: list[torch.Tensor], order: torch.Tensor | None,
                     shape: tuple) -> torch.Tensor:
-    """Per-micro-batch [b_i, s_i] outputs as one [n, s] tensor in the batch's row order."""
+    """Per-micro-batch [b_i, s_i] outputs as one [n, s] tensor in the batch's row order (columns
+    padded for CP or SP dropped)."""
+    outputs = [out[:, :shape[1]] for out in outputs]
     if order is None:
         return torch.cat(outputs)
     result = outputs[0].new_zeros(shape)
