@@ -57,7 +57,11 @@ def collect_and_update(out_path: str, overrides: list[str]) -> None:
     for key, token_ids, _ in sorted(sampled, key=lambda item: _turn_order(item[0])):
         episodes.setdefault(key.split("/", 1)[1].rpartition("/t")[0], []).extend(token_ids)
     engine_order = [episodes[key] for key in sorted(episodes, key=_row_order)]
+    fed = batch["attention_mask"].sum(dim=1) - 1  # every real token but a row's last
+    routes = batch.get("routed_experts")
     result = {"trained": [row[m].tolist() for row, m in zip(batch["input_ids"], mask)],
+              "routes_expected": int(fed.sum()),
+              "routes_given": 0 if routes is None else int((routes[:, :, 0, 0] >= 0).sum()),
               "sampled": engine_order,
               "mismatch": float((batch["engine_logprobs"] - batch["old_logprobs"])[mask]
                                 .abs().max()),

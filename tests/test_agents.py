@@ -15,6 +15,7 @@ import json
 import os
 
 import pytest
+import torch
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
@@ -64,12 +65,13 @@ def stand_in_qwen(template: str):
 
 class ScriptedEngine(RolloutEngine):
     """Answers turn t of every episode with `turns[t]` encoded by `encode`, one turn per step,
-    and records what it returned."""
+    and records what it returned. With `routes`, each answer carries MoE routes for the tokens
+    its request fed (the prompt, the answer but its last token): expert t in every slot."""
 
     supports_streaming = True
 
-    def __init__(self, turns: list[list[int]]):
-        self.turns = turns
+    def __init__(self, turns: list[list[int]], routes: bool = False):
+        self.turns, self.routes = turns, routes
         self.queue, self.returned = [], {}
 
     def add_requests(self, requests):
@@ -85,7 +87,10 @@ class ScriptedEngine(RolloutEngine):
             ids = self.turns[turn][:request.sampling.max_new_tokens]
             logprobs = [-0.01 * (i + 1) - turn for i in range(len(ids))]
             self.returned[request.key] = (list(request.prompt), ids, logprobs)
-            finished.append(FinishedSample(request.key, ids, logprobs, "stop"))
+            fed = len(request.prompt) + len(ids) - 1
+            routes = torch.full((fed, 1, 2), turn, dtype=torch.int16) if self.routes else None
+            finished.append(FinishedSample(request.key, ids, logprobs, "stop",
+                                           routed_experts=routes))
         self.queue = []
         return finished
 
@@ -151,6 +156,26 @@ def test_episode_tokens_are_the_sampled_tokens_and_the_template(template, reques
     assert all(p == 0 for p, m in zip(completion.logprobs, completion.sampled) if not m)
     assert completion.episode["reward"] == 3.0 and completion.response_text == SCRIPT[-1]
     assert completion.episode["tool_calls"] == 3 and completion.episode["turns"] == 3
+
+
+def test_each_token_replays_the_route_of_the_request_that_fed_it_first(smollm2):
+    """r3 across turns: an episode's routes are each token's from the first engine request
+    that fed it: a model turn's tokens from the request that sampled them, the observation
+    after it (and the turn's last token) from the next turn's prefill, which may route them
+    otherwise (under new weights, or other numerics)."""
+    runner = runner_for(smollm2)
+    try:
+        engine = ScriptedEngine(sampled_turns(smollm2, runner.chat), routes=True)
+        generation = runner.run(engine, [record()], SamplingConfig(n=1, seed=3), 512)
+    finally:
+        runner.close()
+    completion = generation.completions[0]
+    row = generation.prompts[0] + completion.token_ids
+    fed_by = [len(prompt) + len(ids) - 1 for prompt, ids, _ in engine.turns_of("p0/s0")]
+    expected = [next(turn for turn, end in enumerate(fed_by) if position < end)
+                for position in range(len(row) - 1)]
+    assert completion.routed_experts[:, 0, 0].tolist() == expected
+    assert sorted(set(expected)) == [0, 1, 2]
 
 
 def sampled_positions(completion, offset: int) -> list[int]:

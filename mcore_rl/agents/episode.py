@@ -7,6 +7,9 @@ The token list only ever grows: the prompt, then each model turn as the engine s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
 
 COUNTS = ("tool_calls", "tool_errors", "parse_failures", "tool_seconds")
 """The tool statistics an episode's environment reports after each step."""
@@ -47,6 +50,11 @@ class Episode:
     conversation so far), and"""
     cached_tokens: int = 0
     """how many of them the engine's prefix cache served."""
+    routes: Optional[torch.Tensor] = None
+    """Mixture-of-Experts routes the engine took for the tokens fed so far [fed, MoE layers,
+    k] (rollout.routing_replay=r3), each from the first request that fed its token: a model
+    turn's from the request that sampled it, an observation's (and a turn's last token's)
+    from the next turn's request, which prefilled them."""
 
     def start(self, messages: list[dict], prompt_ids: list[int]) -> None:
         self.messages = list(messages)
@@ -67,6 +75,17 @@ class Episode:
         or of an agent's requests (AgentEpisode)."""
         self.prompt_tokens += request.prompt_tokens
         self.cached_tokens += request.cached_tokens
+
+    def add_routes(self, routes: Optional[torch.Tensor]) -> None:
+        """Keep the routes of a finished turn's request (its prompt, the conversation so far,
+        and the turn but its last token) for the tokens no earlier request fed."""
+        if routes is None:
+            return
+        known = 0 if self.routes is None else len(self.routes)
+        if known == 0:
+            self.routes = routes
+        elif len(routes) > known:
+            self.routes = torch.cat([self.routes, routes[known:]])
 
     def add_observation(self, messages: list[dict], token_ids: list[int]) -> None:
         self.messages += messages

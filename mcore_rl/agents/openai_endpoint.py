@@ -83,6 +83,9 @@ class Turn:
     sampled_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"
+    routes: object = None
+    """The engine's Mixture-of-Experts routes for the prompt and the answer but its last token
+    (a tensor; None without r3): Episode.add_routes."""
     reply: dict | None = None
     """The assistant message returned to the client."""
     done: asyncio.Future | None = None

@@ -133,6 +133,7 @@ class EpisodeRunner:
         """The engine finished a model turn: hand it to the environment, or end the episode."""
         episode.add_turn(finished.token_ids, finished.logprobs)
         episode.count_prefill(finished)
+        episode.add_routes(finished.routed_experts)
         if finished.finish_reason == "length":
             return self._end(episode, "length")
         if episode.last_turn[-1:] != [self.chat.end_of_turn_id]:
@@ -228,5 +229,6 @@ def episodes_generation(episodes: list[Episode], prompts: int, started: float) -
             episode.logprobs[shared:], episode.finish_reason,
             sampled=tuple(episode.sampled[shared:]), response_text=episode.final_text(),
             episode={**episode.summary(), "reward": episode.reward},
+            routed_experts=episode.routes,
             prompt_tokens=episode.prompt_tokens, cached_tokens=episode.cached_tokens))
     return Generation.finished(completions, openings, 0, started)

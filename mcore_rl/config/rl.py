@@ -193,7 +193,9 @@ class RolloutConfig:
     actor took in the old-log-prob pass, replayed by the reference and the updates (needs
     old_logprobs=trainer). When the engine returns routes (vLLM), the step logs
     moe/router_agreement: the share of (token, layer, k) routes the trainer's routers choose
-    themselves (also while replaying) that equal the engine's."""
+    themselves (also while replaying) that equal the engine's. Multi-turn episodes replay each
+    token's route from the first engine request that fed it (a model turn's from the request
+    that sampled it, an observation's from the next turn's prefill)."""
 
     max_staleness: int = 0
     """Split placement: a sample trains at most this many policy versions after the version
@@ -221,8 +223,7 @@ class RolloutConfig:
         unsupported = {"rollout.engine=megatron (no streaming interface)":
                        self.engine != "vllm",
                        "rollout.overlong=penalty (an episode's length is not one response's)":
-                       self.overlong == "penalty",
-                       "rollout.routing_replay=r3": self.routing_replay == "r3"}
+                       self.overlong == "penalty"}
         return [f"rollout.multi_turn does not work with {what} yet"
                 for what, applies in unsupported.items() if applies]
 
