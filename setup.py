@@ -27,7 +27,9 @@ setup(
         "reasoning-gym",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "peft"],  # peft: the LoRA reference (tests)
+        # peft: the LoRA reference; openai-agents, langchain: agents through the endpoint
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "peft", "openai-agents",
+                 "langchain", "langchain-openai"],
         "bench": ["locust>=2.40"],  # bench/serve_load.py
         "vllm": ["vllm>=0.32,<0.33"],  # mcore_rl.rollout.vllm_engine.SUPPORTED_VLLM
         "te": ["transformer-engine[pytorch]"],

@@ -110,6 +110,56 @@ async def lookup_agent(row, base_url, edit_history=False):
                 messages[0] = {**messages[0], "content": messages[0]["content"] + " Quickly."}
 
 
+def counted_lookup():
+    """Lookup's tool as a plain function for an agent library to wrap, and the count of its
+    calls (a list of one)."""
+    calls = [0]
+
+    def lookup(key: str) -> str:
+        """The value stored under a key.
+
+        Args:
+            key: The key.
+        """
+        calls[0] += 1
+        return TABLE[key]
+
+    return lookup, calls
+
+
+async def openai_agents_lookup(row, base_url):
+    """Lookup's game written with the openai-agents SDK, as its users write agents: a
+    `function_tool`, an `Agent` on a Chat Completions model pointed at the rank's endpoint, and
+    `Runner.run`, which calls the tool and sends its result back until an answer without tool
+    calls. The reward is the number of lookups."""
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool
+    from agents import set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI
+    lookup, calls = counted_lookup()
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    agent = Agent(name="lookup", tools=[function_tool(lookup)],
+                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+    await Runner.run(agent, row["prompt"], max_turns=10)
+    return float(calls[0])
+
+
+async def langchain_lookup(row, base_url):
+    """Lookup's game written with LangChain, as its users write agents: a `tool`, a
+    `ChatOpenAI` model pointed at the rank's endpoint and `create_agent`'s loop, which calls the
+    tool and sends its result back until an answer without tool calls. The reward is the number
+    of lookups."""
+    from langchain.agents import create_agent
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    lookup, calls = counted_lookup()
+    model = ChatOpenAI(model="policy", base_url=base_url, api_key="unused", max_retries=0)
+    await create_agent(model, tools=[tool(lookup)]).ainvoke({"messages": row["prompt"]})
+    return float(calls[0])
+
+
 async def editing_agent(row, base_url):
     """lookup_agent rewriting its history after the first lookup."""
     return await lookup_agent(row, base_url, edit_history=True)

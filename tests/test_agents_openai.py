@@ -1,9 +1,11 @@
-"""Agents written against the OpenAI API: through the rank's endpoint, the scripted conversation
-of test_agents.py gives the very trajectory the Environment path gives (token ids, sampled
-mask, log-probs, seeds), with the real FastAPI/uvicorn server, the real openai.AsyncOpenAI client
-on loopback, and the real chat templates (SmolLM2's, and Qwen2.5's with tools on the stand-in
-tokenizer). A client that rewrites its history still yields a valid trajectory (counted), and
-what the endpoint cannot honour is refused with HTTP 400.
+"""Agents written against the OpenAI API: through the rank's endpoint, the scripted conversation of
+test_agents.py gives the very trajectory the Environment path gives (token ids, sampled mask,
+log-probs, seeds), with the real FastAPI/uvicorn server, the real openai.AsyncOpenAI client on
+loopback, and the real chat templates (SmolLM2's, and Qwen2.5's with tools on the stand-in
+tokenizer); so do agents written with the openai-agents SDK (Agent, function_tool, Runner) and
+with LangChain (ChatOpenAI, @tool, create_agent). A client that rewrites its history still
+yields a valid trajectory (counted), and what the endpoint cannot honour is refused with HTTP
+400.
 """
 
 import asyncio
@@ -15,7 +17,8 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from agent_environments import Lookup, editing_agent, failing_agent, lookup_agent
+from agent_environments import (Lookup, editing_agent, failing_agent, langchain_lookup,
+                                lookup_agent, openai_agents_lookup)
 from test_agents import (QWEN_TOOL_TOKENS, SCRIPT, TEMPLATES, ScriptedEngine, record, runner_for,
                          sampled_turns)
 from tokenizers import AddedToken
@@ -72,12 +75,19 @@ def run_agent(tokenizer, agent, turns, config=AGENT, sampling=SAMPLING):
         runner.close()
 
 
-@pytest.mark.parametrize("template,character_turn", [("smollm2", None), ("qwen_style", None),
-                                                     ("smollm2", 1)])
-def test_the_openai_path_gives_the_environments_trajectories(template, character_turn, request):
+@pytest.mark.parametrize("template,character_turn,agent", [
+    ("smollm2", None, lookup_agent), ("qwen_style", None, lookup_agent),
+    ("smollm2", 1, lookup_agent), ("smollm2", None, openai_agents_lookup),
+    ("smollm2", None, langchain_lookup)],
+    ids=["smollm2", "qwen_style", "smollm2-by-character", "smollm2-openai-agents",
+         "smollm2-langchain"])
+def test_the_openai_path_gives_the_environments_trajectories(template, character_turn, agent,
+                                                             request):
     """character_turn: that turn is sampled character by character, a tokenisation that
     rendering the conversation again would not give: only prompts that reuse the ids held
-    keep it."""
+    keep it. The openai-agents SDK's and LangChain's agents run under SmolLM2's template, which
+    renders no tool schemas (each library writes its own schema for the function, which a
+    template that renders schemas would show the model instead of Lookup's)."""
     tokenizer = request.getfixturevalue(template)
     environment = runner_for(tokenizer)
     try:
@@ -86,7 +96,7 @@ def test_the_openai_path_gives_the_environments_trajectories(template, character
         expected = environment.run(environment_engine, [record()], SAMPLING, 512)
     finally:
         environment.close()
-    generation, engine = run_agent(tokenizer, lookup_agent, turns)
+    generation, engine = run_agent(tokenizer, agent, turns)
     assert generation.prompts == expected.prompts
     assert engine.returned == environment_engine.returned  # same requests, keys and prompts
     assert engine.sampling == environment_engine.sampling  # same seeds per turn

@@ -1,16 +1,16 @@
 """The same weights give the same numbers at every layout (fp32, max abs difference <= 1e-5).
 
-For TP1/PP1 (the reference) and, in a world of 4, TP2xPP2, TP4 (KV heads replicated) and TP2 x
-CP2 with sequence parallelism (worlds of two for TP2, PP2 and DP2 alone were dropped for suite
-time); 3 layers, so every PP2 layout has
-uneven stages (2 and 1 layers: config.parallel.pipeline_stage_layers, which Megatron builds from
-its first/last-stage counts): per-token log-probs, entropies and critic values before training,
-the global loss and grad norm of one step, and every updated weight after one Adam step of
-Megatron DDP + distributed optimizer on the same global batch. A Mixture-of-Experts model
-likewise at EP2, PP2 x EP2, TP2 with sequence parallelism, and TP2 x DP2 with sequence
-parallelism and its experts at EP2 x ETP1. Its first layer is dense, so that world shows
-sequence parallelism for the dense model too: each TP rank normalises its chunk of the
-sequence (models/norm.py) and Megatron sums the norms' gradients over the TP ranks.
+For TP1/PP1 (the reference) and, in a world of 4, TP4 (KV heads replicated), TP2 x CP2 with
+sequence parallelism and TP2 x PP2 with tied embeddings (worlds of two for TP2, PP2 and DP2
+alone, and the untied model's TP2 x PP2, were dropped for suite time); 3 layers, so every PP2
+layout has uneven stages (2 and 1 layers: config.parallel.pipeline_stage_layers, which Megatron
+builds from its first/last-stage counts): per-token log-probs, entropies and critic values
+before training, the global loss and grad norm of one step, and every updated weight after one
+Adam step of Megatron DDP + distributed optimizer on the same global batch. A Mixture-of-Experts
+model likewise at EP2, PP2 x EP2, TP2 with sequence parallelism, TP2 x DP2 with sequence
+parallelism and its experts at EP2 x ETP1, and CP2 x EP2. Its first layer is dense, so that
+world shows sequence parallelism for the dense model too: each TP rank normalises its chunk of
+the sequence (models/norm.py) and Megatron sums the norms' gradients over the TP ranks.
 """
 
 import dataclasses
@@ -83,23 +83,24 @@ def reference(tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize("tp, pp, cp", [(2, 2, 1), (4, 1, 1), (2, 1, 2)],
-                         ids=["TP2PP2", "TP4", "TP2xCP2-SP"])
-def test_world_of_four_matches_reference(tmp_path_factory, reference, tp, pp, cp):
-    """TP2 x PP2 over uneven stages (2 and 1 layers). (TP2 x DP2 with sequence parallelism runs
-    in the MoE world TP2xEP2xETP1-SP below: its first layer is this model's dense layer.)
-    TP2 x CP2 with sequence parallelism: each rank holds two of four chunks of every sequence
-    (padded from 22 to 24 positions), attends over keys all-gathered in the CP group
-    (models/context_parallel.py) and its TP half of the heads, and computes its chunks' log-probs
-    and values; the losses' token counts are summed over DP x CP."""
-    from mcore_rl.param_layout.sharding import stage_layers
-
-    assert stage_layers(MODEL, 2) == (2, 1)
-    assert_same(layout_result(tmp_path_factory, MODEL, tp, pp, 4, sequence_parallel=cp > 1,
+@pytest.mark.parametrize("tp, cp", [(4, 1), (2, 2)], ids=["TP4", "TP2xCP2-SP"])
+def test_world_of_four_matches_reference(tmp_path_factory, reference, tp, cp):
+    """TP4: KV heads replicated. TP2 x CP2 with sequence parallelism: each rank holds two of
+    four chunks of every sequence (padded from 22 to 24 positions), attends over keys
+    all-gathered in the CP group (models/context_parallel.py) with its TP half of the heads, and
+    computes its chunks' log-probs and values; the losses' token counts are summed over DP x CP.
+    (TP2 x PP2 runs with tied embeddings below; TP2 x DP2 with sequence parallelism in the MoE
+    world TP2xEP2xETP1-SP: its first layer is this model's dense layer.)"""
+    assert_same(layout_result(tmp_path_factory, MODEL, tp, 1, 4, sequence_parallel=cp > 1,
                               cp=cp), reference)
 
 
 def test_tied_embeddings_across_pipeline_stages(tmp_path_factory):
+    """TP2 x PP2 over uneven stages (2 and 1 layers), the embedding on the first stage and its
+    tied copy on the last."""
+    from mcore_rl.param_layout.sharding import stage_layers
+
+    assert stage_layers(TIED, 2) == (2, 1)
     reference = layout_result(tmp_path_factory, TIED, 1, 1, 1)
     result = layout_result(tmp_path_factory, TIED, 2, 2, 4)
     assert_same(result, reference)

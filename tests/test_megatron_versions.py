@@ -24,15 +24,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEWER_RELEASE = "0.19.2"
 NEWER = os.path.join(sys.prefix, f"megatron-core-{NEWER_RELEASE}")
 TIER = [
-    "tests/test_lora.py::test_lora_matches_peft",
+    "tests/test_lora.py::test_lora_matches_peft[qwen2_moe-TP1PP1]",
+    "tests/test_lora.py::test_lora_matches_peft[qwen2_moe-TP2PP2]",
     "tests/test_layout_invariance.py::test_experts_split_over_ranks_train_like_one_rank[EP2]",
     "tests/test_rollout_engines.py::"
     "test_megatron_engine_over_pipeline_stages_samples_what_the_trainer_scores",
 ]
-"""Tests of the code paths the releases differ in: the layer spec's MLP (LoRA; the MoE block
-spec with experts over two ranks, an Adam step against one rank's) and the Megatron engine's
-inference wrapper over two pipeline stages. Dense models, the trainer and resharding into vLLM
-run in the toy job below."""
+"""Tests of the code paths the releases differ in: the layer spec's MLP (LoRA, on the MoE model,
+whose first layer is dense: dense MLP, shared expert and attention adapters in one world; the
+MoE block spec with experts over two ranks, an Adam step against one rank's) and the Megatron
+engine's inference wrapper over two pipeline stages. Dense models, the trainer and resharding
+into vLLM run in the toy job below."""
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(NEWER),
                                 reason=f"megatron-core {NEWER_RELEASE} is not in {NEWER} "
