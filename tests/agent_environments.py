@@ -86,6 +86,15 @@ class SlowFirstPrompt(Lookup):
         return super().step(assistant_message)
 
 
+class FlakyReset(Lookup):
+    """Lookup whose reset fails on prompts that start with "broken" (a tool server down)."""
+
+    def reset(self, row):
+        if row["prompt"][0]["content"].startswith("broken"):
+            raise ConnectionError("the table server is down")
+        super().reset(row)
+
+
 async def lookup_agent(row, base_url, edit_history=False):
     """Lookup's game as an OpenAI SDK agent: it offers Lookup's tools, runs each lookup itself
     and sends the results back, until an answer without tool calls; the reward is Lookup's

@@ -290,6 +290,31 @@ def test_a_hanging_tool_is_killed_and_the_job_goes_on(smollm2):
         assert completion.episode["reward"] is None and completion.episode["turns"] == 1
 
 
+def test_an_environment_that_fails_to_reset_ends_its_episode_not_the_job(smollm2):
+    """The reset raises for one prompt: its episodes end unplayed (the prompt alone, nothing
+    sampled, counted in environment_failures), the other prompt's run as usual."""
+    config = MultiTurnConfig(environment="agent_environments:FlakyReset")
+    runner = runner_for(smollm2, config)
+    try:
+        engine = ScriptedEngine(sampled_turns(smollm2, runner.chat))
+        generation = runner.run(engine, [record("broken: what is under a?"), record()],
+                                SamplingConfig(n=2, seed=0), 512)
+    finally:
+        runner.close()
+    failed = [c for c in generation.completions if c.prompt_index == 0]
+    played = [c for c in generation.completions if c.prompt_index == 1]
+    assert len(failed) == len(played) == 2
+    for completion in failed:
+        assert completion.episode["environment_failures"] == 1
+        assert completion.finish_reason == "length" and not any(completion.sampled_mask())
+        assert completion.episode["turns"] == 0
+    assert generation.prompts[0] == runner.chat.prompt_ids(
+        [{"role": "user", "content": "broken: what is under a?"}])
+    for completion in played:
+        assert completion.episode["environment_failures"] == 0
+        assert completion.episode["reward"] == 3.0 and completion.episode["turns"] == 3
+
+
 def test_plain_tools_the_python_tool_and_the_limits(smollm2):
     config = MultiTurnConfig(tools=["python", "agent_environments:add"], max_turns=3,
                              max_observation_tokens=4)

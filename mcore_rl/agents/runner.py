@@ -85,7 +85,9 @@ class EpisodeRunner:
                     unopened.discard(reply.key)
                     if reply.ok:
                         continue
-                phase = waiting.pop(reply.key)
+                phase = waiting.pop(reply.key, None)
+                if phase is None:  # an episode that ended unplayed (its reset's late reply)
+                    continue
                 next_phase, request = self._on_reply(episodes[reply.key], phase, reply,
                                                      sampling, max_prompt_tokens, records)
                 if next_phase:
@@ -111,16 +113,19 @@ class EpisodeRunner:
                   max_prompt_tokens: int, records: list) -> tuple[str | None, object]:
         """An environment answered: (the phase the episode waits in next, a request to add)."""
         if phase == "reset":
-            if not reply.ok:
-                raise RuntimeError(f"the environment's reset failed for prompt "
-                                   f"{episode.prompt_index}: {reply.error}")
-            messages = _messages(reply.value, records[episode.prompt_index].prompt)
+            record_prompt = records[episode.prompt_index].prompt
+            messages = _messages(reply.value if reply.ok else None, record_prompt)
             prompt_ids = self.chat.prompt_ids(messages)
             if len(prompt_ids) > min(max_prompt_tokens, self.config.max_episode_tokens - 1):
                 raise ValueError(f"prompt {episode.prompt_index} opens its episode with "
                                  f"{len(prompt_ids)} tokens, more than data.max_prompt_tokens="
                                  f"{max_prompt_tokens} allows")
             episode.start(messages, prompt_ids)
+            if not reply.ok:  # the environment raised or hung: the episode ends unplayed
+                episode.flags["environment_failures"] += 1
+                episode.finish_reason = "length"
+                self.sandbox.close(episode.key)
+                return None, None
             return None, self._turn_request(episode, sampling)
         if phase == "step":
             return self._on_observation(episode, reply, sampling)
