@@ -40,9 +40,8 @@ class SdpaAttention(DotProductAttention):
         self.config = config
         self.cp_group = None
         """The context-parallel group when CP > 1 (queries are this rank's two chunks)."""
-        if config.context_parallel_size > 1:
-            self.cp_group = (pg_collection.cp if pg_collection is not None
-                             and hasattr(pg_collection, "cp") else _megatron_cp_group())
+        if config.context_parallel_size > 1:  # Megatron's Attention passes its groups
+            self.cp_group = pg_collection.cp
 
     def _unsupported(self, attention_mask, attention_bias, packed_seq_params) -> bool:
         return (attention_mask is not None or attention_bias is not None
@@ -80,9 +79,3 @@ class SdpaAttention(DotProductAttention):
         # [b, heads, s, head_dim] -> [s, b, heads x head_dim]
         return context.permute(2, 0, 1, 3).reshape(query_length, batch,
                                                    self.hidden_size_per_partition)
-
-
-def _megatron_cp_group():
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["cp"]).cp

@@ -231,18 +231,25 @@ def initialize_training_groups(layout: ParallelLayout, timeout_minutes: float) -
         expert_tensor_parallel_size=layout.expert_tp,
         distributed_timeout_minutes=timeout_minutes, order=layout.order)
     global _shard_group
-    if layout.cp > 1:  # every rank creates every shard's group, in the same order
-        import datetime
+    if layout.cp > 1:
+        _shard_group = _new_shard_group(layout, ps.get_data_parallel_rank(), timeout_minutes)
 
-        import torch.distributed as dist
 
-        mine = ps.get_data_parallel_rank()
-        for dp_rank in range(layout.dp):
-            ranks = sorted(layout.rank_of(tp, pp, dp_rank, cp) for tp in range(layout.tp)
-                           for pp in range(layout.pp) for cp in range(layout.cp))
-            group = dist.new_group(ranks, timeout=datetime.timedelta(minutes=timeout_minutes))
-            if dp_rank == mine:
-                _shard_group = group
+def _new_shard_group(layout: ParallelLayout, dp_rank: int, timeout_minutes: float):
+    """The group of the ranks that train on data shard `dp_rank` (collective: every rank
+    creates every shard's group, in the same order)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    mine = None
+    for shard in range(layout.dp):
+        ranks = sorted(layout.rank_of(tp, pp, shard, cp) for tp in range(layout.tp)
+                       for pp in range(layout.pp) for cp in range(layout.cp))
+        group = dist.new_group(ranks, timeout=datetime.timedelta(minutes=timeout_minutes))
+        if shard == dp_rank:
+            mine = group
+    return mine
 
 
 def destroy_training_groups() -> None:

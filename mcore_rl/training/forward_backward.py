@@ -153,9 +153,7 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
     micro_batches = [pad_columns_to_multiple(micro_batch, length_multiple,
                                              {"routed_experts": NO_ROUTE})
                      for micro_batch in micro_batches]
-    if max_tokens <= 0:
-        return micro_batches, None, len(micro_batches)
-    fillers = _expert_group_fillers(micro_batches, length_multiple)
+    fillers = _expert_group_fillers(micro_batches, length_multiple) if max_tokens > 0 else []
     return micro_batches + fillers, order, len(micro_batches)
 
 
