@@ -117,8 +117,12 @@ class Job:
 
     def wait_for(self, pattern: str, timeout: float = JOB_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
-        while not re.search(pattern, self.text(), re.MULTILINE):
+        while True:
+            # The state before the text: a job that ended has written its output by then (read
+            # the other way round, a line written just before the end was missed: a flake).
             state = self.fields().get("JobState")
+            if re.search(pattern, self.text(), re.MULTILINE):
+                return
             if state in FINAL_STATES:
                 raise AssertionError(f"{pattern!r} never appeared; {self.describe()}")
             if time.monotonic() > deadline:
