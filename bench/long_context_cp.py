@@ -34,6 +34,7 @@ def rank_main(rank: int, world: int, port: int, length: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
+    from long_context import _resident_mb  # bench/ is this script's own folder on sys.path
 
     from mcore_rl.config import (BatchConfig, JobConfig, ModelConfig, OptimizerConfig,
                                  ParallelConfig, RuntimeConfig)
@@ -73,11 +74,6 @@ def rank_main(rank: int, world: int, port: int, length: int) -> None:
         peaks[name] = _resident_mb("VmHWM") - base
     print(json.dumps(peaks), flush=True)
     shutdown()
-
-
-def _resident_mb(field: str) -> float:
-    with open("/proc/self/status") as handle:
-        return next(int(line.split()[1]) for line in handle if line.startswith(field)) / 1024
 
 
 def _free_port() -> int:

@@ -21,9 +21,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 
 
 MOE_R3 = ["model.qk_norm=true", "model.moe.num_experts=4", "model.moe.ffn_hidden_size=64",
-          "model.moe.router_topk=2",
-          "model.moe.dense_layers=[0]", "parallel.expert_model_parallel_size=2",
-          "rollout.routing_replay=r3"]
+          "model.moe.router_topk=2", "model.moe.dense_layers=[0]",
+          "parallel.expert_model_parallel_size=2", "rollout.routing_replay=r3"]
 LAYOUTS = {"two_engines": ["rollout.rollout_tp=1"],
            "one_engine_at_tp2_moe_r3": ["rollout.rollout_tp=2", *MOE_R3]}
 """Two data-parallel vLLM instances, or one instance over both ranks, whose first rank runs
