@@ -202,19 +202,23 @@ def test_off_policy_corrections_match_their_definitions(level, mode):
 
 
 def test_off_policy_statistics_report_staleness_and_weights():
-    from mcore_rl.rl.step_statistics import off_policy_statistics
+    from mcore_rl.rl.step_statistics import off_policy_statistics, token_staleness
 
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
     engine = torch.log(torch.tensor([[0.25, 0.5, 1.0], [0.5, 0.4, 0.5]]))  # ratios 2, 1, .5; 1, 1.25, 1
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     batch = {"input_ids": torch.zeros(2, 3), "loss_mask": mask, "old_logprobs": old,
-             "engine_logprobs": engine}
+             "engine_logprobs": engine, "response_mask": torch.tensor([[0, 1, 1], [0, 1, 1]])}
     stats = SumsAndCounts()
     correction = RolloutConfig(importance_cap=1.5, importance_floor=0.6,
                                importance_mode="mask").importance_correction()
-    rollout = Rollout([], [], Generation([
+    rollout = Rollout([], [], Generation([  # a one-token prompt, then two sampled tokens
         Completion(0, 0, [1, 2], [0.0, 0.0], "stop", ((0, 3), (1, 4))),
-        Completion(0, 1, [1, 2], [0.0, 0.0], "stop", ((0, 4),))], []), [], version=3)
+        Completion(0, 1, [1, 2], [0.0, 0.0], "stop", ((0, 4),))], [[7]]), [], version=3)
+    token_staleness(batch, rollout, 4, stats)
+    found = stats.means()  # version 3 sampled one token of four; 4 the others
+    assert found["rollout/stale_token_fraction"] == 0.25
+    assert found["rollout/on_policy_logprob_abs_diff_max"] == pytest.approx(math.log(2))
     off_policy_statistics(batch, rollout, 5, correction, stats)
     found = stats.means()
     assert found["rollout/staleness_mean"] == 1.5 and found["rollout/staleness_max"] == 2

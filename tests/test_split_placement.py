@@ -107,6 +107,38 @@ def test_multi_turn_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
     assert evaluations(tmp_path / "split" / "run") == evaluations(tmp_path / "colocated" / "run")
 
 
+@pytest.mark.parametrize("mode,world", [("continue", 2), ("abort", 3)])
+def test_episodes_continue_across_weight_updates(tmp_path, tokenizer_dir, mode, world):
+    """Multi-turn episodes at k = 1, new weights taken after every engine iteration: batch i + 1
+    runs while step i trains, and the update lands in its episodes (mid-turn or between
+    turns). Trained episodes span two versions; every sampled token's engine log-prob equals
+    the trainer's under the weights of the version that sampled it (not under the current
+    ones: an entropy bonus moves the policy every step). World 3 restarts the turns in flight
+    (partial_rollout=abort) on one vLLM instance over two ranks (rollout TP2), whose leader
+    runs the episodes and tells the other rank every update check."""
+    from agents_rl_worker import countdown_job
+
+    result = run_job(tmp_path, tokenizer_dir, world, countdown_job(tmp_path) + [
+        "actor.micro_batch_size=16", f"placement.rollout_ranks={world - 1}",
+        f"rollout.rollout_tp={world - 1}", "rollout.max_staleness=1",
+        f"rollout.partial_rollout={mode}", "rollout.importance_cap=2.0",
+        "rollout.update_check_steps=1", "algorithm.entropy_coef=0.1", "trainer.total_steps=4",
+        "trainer.eval_every=0"], signal_after_step=0, fail_rollout_at_batch=-1,
+        own_version_gaps=True)
+    seen, history = result[0]["seen"], result[0]["history"]
+    assert set(staleness_of(seen)) <= {0, 1}
+    for entry in seen:
+        assert entry["gaps"] and max(entry["gaps"].values()) <= 1e-4, entry["gaps"]
+    assert max(m["rollout/logprob_abs_diff_max"] for m in history) > 0.01
+    if mode == "continue":
+        assert sum(m["episode/multi_version"] for m in history) > 0
+        assert max(m["episode/version_spread_max"] for m in history) == 1
+        assert any(0 < m["rollout/stale_token_fraction"] < 1 for m in history)
+    else:
+        assert sum(m["rollout/restarted_responses"] for m in history) > 0
+    assert all(result[rank]["exit_code"] == 0 for rank in range(1, world))
+
+
 @pytest.mark.slow
 def test_one_step_stale_split_run_learns_within_the_bound(tmp_path, tokenizer_dir):
     from mcore_rl.observability.timeline import read_timeline

@@ -134,7 +134,7 @@ class AgentRunner:
                 turn = sampling_turns.pop(finished.key)
                 turn.episode.prompt_tokens += finished.prompt_tokens
                 turn.episode.cached_tokens += finished.cached_tokens
-                turn.routes = finished.routed_experts
+                turn.routes, turn.versions = finished.routed_experts, finished.versions
                 self.endpoint.finish(turn, finished.token_ids, finished.logprobs,
                                      finished.finish_reason)
 
@@ -206,7 +206,7 @@ def _add_chain(episode: Episode, chain: list[Turn], chat: ChatFormat) -> None:
     (mask 1) and the ids the next prompt adds (mask 0)."""
     episode.start(chain[0].history, chain[0].prompt_ids)
     for turn, following in zip(chain, chain[1:] + [None]):
-        episode.add_turn(turn.sampled_ids, turn.logprobs)
+        episode.add_turn(turn.sampled_ids, turn.logprobs, turn.versions)
         episode.add_routes(turn.routes)
         if following is not None:
             episode.add_observation([], following.prompt_ids[_covered(turn):])

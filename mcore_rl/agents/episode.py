@@ -50,6 +50,10 @@ class Episode:
     conversation so far), and"""
     cached_tokens: int = 0
     """how many of them the engine's prefix cache served."""
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    """(first token in token_ids, policy version) of each stretch of model turns sampled with
+    one version of the weights (split placement, where an update lands while the episode
+    runs); empty where the engine reports no versions."""
     routes: Optional[torch.Tensor] = None
     """Mixture-of-Experts routes the engine took for the tokens fed so far [fed, MoE layers,
     k] (rollout.routing_replay=r3), each from the first request that fed its token: a model
@@ -63,7 +67,12 @@ class Episode:
         self.logprobs = [0.0] * len(prompt_ids)
         self.prompt_length = len(prompt_ids)
 
-    def add_turn(self, token_ids: list[int], logprobs: list[float]) -> None:
+    def add_turn(self, token_ids: list[int], logprobs: list[float],
+                 versions: tuple[tuple[int, int], ...] = ()) -> None:
+        """A model turn, with the versions that sampled its stretches (FinishedSample's)."""
+        for first, version in versions:
+            if not self.versions or self.versions[-1][1] != version:
+                self.versions.append((len(self.token_ids) + first, version))
         self.token_ids += token_ids
         self.sampled += [1] * len(token_ids)
         self.logprobs += logprobs
@@ -92,6 +101,12 @@ class Episode:
         self.token_ids += token_ids
         self.sampled += [0] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
+
+    def response_versions(self, response_start: int) -> tuple[tuple[int, int], ...]:
+        """`versions` for the tokens from `response_start` on (Completion.versions: the first
+        stretch starts the response)."""
+        return tuple((max(first - response_start, 0) if index else 0, version)
+                     for index, (first, version) in enumerate(self.versions))
 
     def final_text(self) -> str:
         """The last assistant message (what a reward function scores)."""

@@ -86,6 +86,8 @@ class Turn:
     routes: object = None
     """The engine's Mixture-of-Experts routes for the prompt and the answer but its last token
     (a tensor; None without r3): Episode.add_routes."""
+    versions: tuple = ()
+    """The policy versions that sampled its stretches (FinishedSample.versions)."""
     reply: dict | None = None
     """The assistant message returned to the client."""
     done: asyncio.Future | None = None

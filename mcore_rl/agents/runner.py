@@ -136,7 +136,7 @@ class EpisodeRunner:
 
     def _on_turn(self, episode: Episode, finished) -> str:
         """The engine finished a model turn: hand it to the environment, or end the episode."""
-        episode.add_turn(finished.token_ids, finished.logprobs)
+        episode.add_turn(finished.token_ids, finished.logprobs, finished.versions)
         episode.count_prefill(finished)
         episode.add_routes(finished.routed_experts)
         if finished.finish_reason == "length":
@@ -234,6 +234,6 @@ def episodes_generation(episodes: list[Episode], prompts: int, started: float) -
             episode.logprobs[shared:], episode.finish_reason,
             sampled=tuple(episode.sampled[shared:]), response_text=episode.final_text(),
             episode={**episode.summary(), "reward": episode.reward},
-            routed_experts=episode.routes,
+            routed_experts=episode.routes, versions=episode.response_versions(shared),
             prompt_tokens=episode.prompt_tokens, cached_tokens=episode.cached_tokens))
     return Generation.finished(completions, openings, 0, started)

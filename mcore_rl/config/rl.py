@@ -209,7 +209,9 @@ class RolloutConfig:
     (they keep their tokens and go on with the new weights; every token's behaviour log-prob
     and the version that sampled it are recorded; with prefix_caching the keys and values of
     their tokens so far are computed again with the new weights) or abort (they are dropped
-    and started again with the new weights)."""
+    and started again with the new weights). Multi-turn episodes take updates while they run,
+    and this applies to the turn in flight (abort asks it again from its start; the
+    episode's earlier turns stay)."""
 
     update_check_steps: int = 8
     """Split placement: engine iterations (one token for every running response) between two

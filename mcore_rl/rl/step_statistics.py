@@ -74,27 +74,37 @@ EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "parse_
 
 
 def episode_statistics(completions: list, stats: SumsAndCounts) -> None:
-    """Multi-turn episodes' means per episode, and episode/tool_use: the share of episodes
-    with at least one tool call that worked (every rank adds every name, also with none)."""
+    """Multi-turn episodes' means per episode, episode/tool_use: the share of episodes with at
+    least one tool call that worked, episode/multi_version: the share whose model turns more
+    than one version of the weights sampled (split placement, an update landing while they
+    ran), and episode/version_spread_max: the most versions between an episode's first and
+    last sampled token (every rank adds every name, also with none)."""
     episodes = [completion.episode for completion in completions]
     for name in EPISODE_COUNTS:
         stats.add(f"episode/{name}", torch.tensor([float(e[name]) for e in episodes],
                                                   dtype=torch.float64))
     stats.add("episode/tool_use", torch.tensor(
         [float(e["tool_calls"] > e["tool_errors"]) for e in episodes], dtype=torch.float64))
+    stats.add("episode/multi_version", torch.tensor(
+        [float(len(c.versions) > 1) for c in completions], dtype=torch.float64))
+    stats.add_max("episode/version_spread_max", torch.tensor(
+        [float(c.versions[-1][1] - c.versions[0][1]) if c.versions else 0.0
+         for c in completions], dtype=torch.float64))
 
 
 def off_policy_statistics(batch: dict, rollout: Rollout, step: int,
                           correction: ImportanceCorrection, stats: SumsAndCounts) -> None:
     """How far off-policy the batch is: policy versions between starting each response and
     training on it at `step`, the responses continued across a weight update (split
-    placement's partial rollouts), and the importance weights the actor's loss will apply
-    (with their masked fraction)."""
+    placement's partial rollouts), how many tokens older weights sampled (`token_staleness`),
+    and the importance weights the actor's loss will apply (with their masked fraction)."""
     staleness = step - rollout.start_versions()
     stats.add("rollout/staleness_mean", staleness)
     stats.add_max("rollout/staleness_max", staleness)
+    completions = rollout.generation.completions
     stats.add("rollout/continued_fraction", torch.tensor(
-        [float(len(completion.versions) > 1) for completion in rollout.generation.completions]))
+        [float(len(completion.versions) > 1) for completion in completions]))
+    token_staleness(batch, rollout, step, stats)
     if not correction.enabled:
         return
     mask = batch["loss_mask"].double()
@@ -103,6 +113,23 @@ def off_policy_statistics(batch: dict, rollout: Rollout, step: int,
     stats.add("rollout/is_weight_mean", weights, mask * keep)
     stats.add_max("rollout/is_weight_max", weights[(mask * keep).bool()])
     stats.add("rollout/is_masked_fraction", 1 - keep, mask)
+
+
+def token_staleness(batch: dict, rollout: Rollout, step: int, stats: SumsAndCounts) -> None:
+    """rollout/stale_token_fraction (response tokens sampled with weights older than version
+    `step`: the rollout's, or where the engine recorded versions, each token's) and
+    rollout/on_policy_logprob_abs_diff_max, the engine/trainer log-prob gap over the tokens the
+    trained version itself sampled, which only numerics can open (the other tokens' gap is
+    the policy's drift as well, as rollout/is_weight_* show); 0 where it sampled none."""
+    versions = rollout.generation.token_versions(rollout.version)
+    response = batch["response_mask"].bool()
+    stats.add("rollout/stale_token_fraction", (versions < step).double(), response)
+    if batch["old_logprobs"] is batch["engine_logprobs"]:  # rollout.old_logprobs=engine
+        return
+    current = response & (versions == step)
+    gap = (batch["old_logprobs"].double() - batch["engine_logprobs"].double()).abs()
+    stats.add_max("rollout/on_policy_logprob_abs_diff_max",
+                  torch.cat([gap[current], gap.new_zeros(1)]))
 
 
 def derived_metrics(metrics: dict) -> dict:

@@ -139,6 +139,20 @@ class Generation:
         return tensors
 
 
+    def token_versions(self, default: int) -> torch.Tensor:
+        """The policy version that sampled each token of the `response_tensors` rows [n,
+        longest] (from Completion.versions; `default` where a completion records none; the
+        prompt's and observations' entries are the version of the stretch they fall in)."""
+        longest = max(len(self.prompts[c.prompt_index]) + len(c.token_ids)
+                      for c in self.completions)
+        versions = torch.full((len(self.completions), longest), default, dtype=torch.long)
+        for row, completion in enumerate(self.completions):
+            start = len(self.prompts[completion.prompt_index])
+            for first, version in completion.versions:
+                versions[row, start + first:] = version
+        return versions
+
+
 def prefill_counts(completions: Sequence[Completion]) -> dict[str, int]:
     """The prompt tokens the engine was given for these completions, and how many of them its
     prefix cache served (Generation.metrics: prompt_tokens, cached_prompt_tokens)."""
@@ -195,6 +209,9 @@ class FinishedSample:
     """The request's prompt tokens, and"""
     cached_tokens: int = 0
     """how many of them the engine's prefix cache served (as in Completion)."""
+    versions: tuple[tuple[int, int], ...] = ()
+    """As in Completion: (first token, policy version) stretches, where weights changed while
+    the request ran (split placement's multi-turn episodes); empty elsewhere."""
 
 
 class RolloutEngine(abc.ABC):

@@ -7,7 +7,8 @@ says when a prompt's group of responses is complete (it can be scored) and when 
 is (it can be sent). At a weight update it applies the partial-rollout rule to the training
 responses still in flight: `continue` records from which token on the new version sampled,
 `abort` restarts them from the prompt under the new version. A share of multi-turn episodes is
-generated whole, between two updates, and recorded complete (`add_generated`).
+generated whole (weights may change meanwhile: its completions record their versions) and
+recorded complete (`add_generated`).
 
 Every rank of an engine instance keeps the same book (they add the same requests and see the
 same responses finish), so all of them add and abort the same requests.
@@ -95,8 +96,9 @@ class InstanceBook:
 
     def add_generated(self, kind: str, index: int, records: list, generation: Generation,
                       version: int) -> OpenShare:
-        """A share generated whole with weights of `version` (multi-turn episodes, which run
-        to their end between two weight updates), recorded complete."""
+        """A share generated whole (multi-turn episodes), recorded complete: started with
+        weights of `version`, and with the versions its completions recorded where weights
+        changed while they ran."""
         key = (kind, index)
         if key in self.shares:
             raise ValueError(f"{kind} {index} is already being generated")
@@ -104,7 +106,7 @@ class InstanceBook:
         share = self.shares[key] = OpenShare(kind, index, records, generation.prompts, samples)
         for completion in generation.completions:
             share.finished.setdefault(completion.prompt_index, {})[completion.sample_index] = \
-                dataclasses.replace(completion, versions=((0, version),))
+                dataclasses.replace(completion, versions=completion.versions or ((0, version),))
         return share
 
     def finish(self, sample: FinishedSample) -> tuple[ShareKey, int] | None:
@@ -132,15 +134,12 @@ class InstanceBook:
             if response.share[0] != "batch":
                 continue
             tokens = generated.get(key, 0)
-            if not restart or tokens == 0:  # a response not begun simply starts with `version`
-                response.versions = ([(0, version)] if tokens == 0
-                                     else response.versions + [(tokens, version)])
+            if not restart or tokens == 0:
+                response.versions = continued(response.versions, tokens, version)
                 continue
             del self.in_flight[key]
             response.attempt += 1
-            prefix = key.rsplit("/a", 1)[0]
-            response.request = dataclasses.replace(response.request,
-                                                   key=f"{prefix}/a{response.attempt}")
+            response.request = restarted_request(response.request, response.attempt)
             response.versions = [(0, version)]
             self.in_flight[response.request.key] = response
             self.shares[response.share].restarts += 1
@@ -156,3 +155,16 @@ class InstanceBook:
 
     def keys(self) -> list[str]:
         return list(self.in_flight)
+
+
+def continued(versions: list[tuple[int, int]], tokens: int, version: int
+              ) -> list[tuple[int, int]]:
+    """The (first token, version) stretches of a request that goes on with weights of
+    `version` after sampling `tokens` tokens (a request not begun simply starts with it)."""
+    return [(0, version)] if tokens == 0 else versions + [(tokens, version)]
+
+
+def restarted_request(request: SampleRequest, attempt: int) -> SampleRequest:
+    """`request` asked again from its start (partial_rollout=abort) under a key of its own:
+    its key up to any earlier attempt's suffix, then /a<attempt>."""
+    return dataclasses.replace(request, key=f"{request.key.rsplit('/a', 1)[0]}/a{attempt}")

@@ -13,8 +13,9 @@ streaming interface, so new weights land between two engine steps. Responses in 
 update continue with the new weights or start again (rollout.partial_rollout); either way no
 response trains more than max_staleness versions after the version that started it, because a
 batch is only opened once the weights are recent enough, and the rollout ranks pause instead.
-Multi-turn episodes run whole when their batch opens, all with the weights held then (the
-trainers' updates wait meanwhile).
+A batch of multi-turn episodes runs to its end when it opens, but new weights still land while
+it runs (updating_engine.py): the episodes take the trainers' messages between engine steps.
+Evaluations' episodes run whole with the weights they were asked for.
 
 Only rollout rank 0 reads control messages (from the job's store); it passes them to the other
 rollout ranks at every check, so every rank adds, aborts and receives the same things at the
@@ -44,6 +45,7 @@ from ..rollout_scheduler import evaluation_sampling, training_sampling
 from .book import InstanceBook
 from .group_scorer import GroupScorer
 from .protocol import Evaluate, Fetch, Share, Start, Stop, Weights
+from .updating_engine import UpdatingEngine
 
 
 class RolloutWorker:
@@ -65,6 +67,7 @@ class RolloutWorker:
         plan = weight_plan(config, training_layout(config, launch.world_size))
         self.engine, self.weight_sync = build_vllm_engine(config, config.sequence_length(),
                                                           plan, self.split.bridge)
+        self.engine.shard_key = self.instance  # an instance's ranks hold the same prompts
         self.episodes = build_episode_runner(config, self.data)
         """Multi-turn jobs: the runner of this rank's episodes (None: one response each)."""
         self.control = ControlBoard(self.split.store, datetime.timedelta(
@@ -81,6 +84,8 @@ class RolloutWorker:
         """The step whose batch opens next."""
         self.wanted: set[tuple[str, int]] = set()
         """Shares the trainers have asked for and not received yet."""
+        self.deferred: list = []
+        """Control messages taken while episodes ran and handled once they end."""
         self.syncs: list[tuple[float, float, float]] = []
         """Weight syncs since this instance's last share: (bytes, seconds, peak MB), maxima
         over the rollout ranks."""
@@ -99,7 +104,8 @@ class RolloutWorker:
         busy = False
         while True:
             self._send_complete_shares(wait=not busy)  # nothing is owed while we wait below
-            messages = self._control(wait=not busy)
+            messages = self.deferred + self._control(wait=not busy and not self.deferred)
+            self.deferred = []
             while messages:  # what came in while handling (a fetch right after new weights)
                 for message in messages:
                     if isinstance(message, Stop):
@@ -171,7 +177,9 @@ class RolloutWorker:
         """Open every batch whose responses may start with the current weights."""
         if self.version is None:
             return
-        while self.next_batch <= self.version + self.config.rollout.max_staleness:
+        last = min(self.version + self.config.rollout.max_staleness,
+                   self.config.trainer.total_steps - 1)
+        while self.next_batch <= last:
             step = self.next_batch
             records, token_ids = self.data.next_batch()
             share = len(records) // self.instances
@@ -182,7 +190,9 @@ class RolloutWorker:
                                                         token_ids[mine], sampling,
                                                         self.version))
             else:
+                self.next_batch += 1
                 self._run_episodes("batch", step, records[mine], sampling)
+                return  # to send the batch before opening the next
             self.next_batch += 1
 
     def _open_evaluation(self, version: int) -> None:
@@ -201,16 +211,38 @@ class RolloutWorker:
         self.wanted.add(("eval", version))
 
     def _run_episodes(self, kind: str, index: int, records: list, sampling) -> None:
-        """A share of multi-turn episodes, run to their end with the current weights
-        (collective over the rollout ranks, which all open the same shares at once), then
-        scored group by group."""
+        """A share of multi-turn episodes, run to their end (collective over the rollout
+        ranks, which all open the same shares at once), then scored group by group. A
+        batch's episodes take new weights while they run (updating_engine.py)."""
+        version, updating = self.version, None
+        if kind == "batch":
+            updating = UpdatingEngine(self.engine, version, self._weights_between_steps,
+                                      self.config.rollout.update_check_steps,
+                                      restart=self.config.rollout.partial_rollout == "abort")
         with self.timer("generate"):
-            generation = run_on_instance(self.episodes, self.engine, records, sampling,
-                                         self.config.data.max_prompt_tokens)
-        share = self.book.add_generated(kind, index, records, generation, self.version)
+            generation = run_on_instance(self.episodes, updating or self.engine, records,
+                                         sampling, self.config.data.max_prompt_tokens)
+        share = self.book.add_generated(kind, index, records, generation, version)
+        share.restarts = updating.restarts if updating else 0
         if self.scorer is not None:
             for position in range(len(share.prompts)):
                 self.scorer.submit(share, position)
+
+    def _weights_between_steps(self) -> int | None:
+        """While episodes run: take the trainers' messages (collective over the rollout
+        ranks), loading new weights and noting asks for shares at once, keeping the rest for
+        later, and send what is ready. Returns the version of the new weights, if any."""
+        version = None
+        for message in self._control(wait=False):
+            if isinstance(message, Weights):
+                self._receive_weights(message.version)
+                version = message.version
+            elif isinstance(message, Fetch):
+                self._handle(message)
+            else:
+                self.deferred.append(message)
+        self._send_complete_shares(wait=False)
+        return version
 
     def _generate(self) -> bool:
         """Up to rollout.update_check_steps engine steps (collective over the rollout ranks);
