@@ -1,12 +1,13 @@
 """Chaos test: kill -9 the quickstart's GRPO run at seeded moments, resume it, compare.
 
     python bench/chaos.py [--kills 10] [--seed 0] [--placements colocated,split,split_async]
-                          [--json F]
+                          [--json F]        # also: agents_split_async
     python bench/chaos.py --report F       # the tables of an earlier run's results
 
 For each placement (colocated: training PP2 + vLLM rollout TP2 on 2 ranks, as the quickstart;
 split: 1 trainer + 1 rollout rank, max_staleness 0; split_async: the same with max_staleness 1,
-rollouts one step ahead) it runs the job once uninterrupted (the
+rollouts one step ahead; agents_split_async: split_async on the agents example's multi-turn
+episodes, whose updates land while episodes run) it runs the job once uninterrupted (the
 reference), then again in a fresh folder, killing it K times at seeded moments
 (runtime.faults: a phase - generation, weight sync, update, checkpoint save, evaluation - the
 how-many-th entry into it, a rank, and whom to kill: the rank, torchrun, or torchrun's
@@ -65,6 +66,10 @@ PLACEMENTS = {
     "split_async": ["placement.rollout_ranks=1", "rollout.max_staleness=1",
                     "rollout.rollout_tp=1"],
 }
+AGENTS = ("agents_split_async",)
+"""Placements that run the agents example's GRPO (configs/quickstart/agents_grpo.yaml, its
+random model: learning is not the point) instead of the quickstart's."""
+PLACEMENTS["agents_split_async"] = PLACEMENTS["split_async"]
 BITWISE = ("colocated", "split")
 """Placements whose resumed run must equal the uninterrupted one bit for bit; with rollouts
 running ahead (max_staleness >= 1) which weights generated a batch depends on timing, so
@@ -73,7 +78,8 @@ there every prompt must be trained exactly once, at its step."""
 _SPLIT_RANKS = {"generate": (1,), "reshard": (0, 1), "update": (0,), "save": (0,),
                 "evaluate": (0,)}
 RANKS_OF_PHASE = {"colocated": {phase: (0, 1) for phase in PHASES},
-                  "split": _SPLIT_RANKS, "split_async": _SPLIT_RANKS}
+                  "split": _SPLIT_RANKS, "split_async": _SPLIT_RANKS,
+                  "agents_split_async": _SPLIT_RANKS}
 """Where each phase runs: in split placement rank 0 trains and rank 1 generates."""
 
 
@@ -83,13 +89,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def prepare(workdir: str) -> str:
-    """The quickstart's data and tiny model, converted (a random model: learning is not the
-    point here). Returns the quickstart folder."""
-    folder = os.path.join(workdir, "quickstart")
+def prepare(workdir: str, agents: bool = False) -> str:
+    """The quickstart's (or the agents example's) data and tiny model, converted (a random
+    model: learning is not the point here). Returns its folder."""
+    folder = os.path.join(workdir, "agents" if agents else "quickstart")
     python = sys.executable
-    subprocess.run([python, "-m", "mcore_rl.quickstart", "prepare", folder], check=True,
-                   cwd=REPO, capture_output=True)
+    subprocess.run([python, "-m", "mcore_rl.quickstart", "prepare-agents" if agents
+                    else "prepare", folder], check=True, cwd=REPO, capture_output=True)
     if not os.path.isdir(os.path.join(folder, "mcore_init")):
         subprocess.run([python, "-m", "mcore_rl", "convert", "hf-to-mcore", "--hf",
                         os.path.join(folder, "hf_init"), "--out",
@@ -169,7 +175,8 @@ def _rows(output_dir: str, name: str) -> dict[int, dict]:
     return {row["step"]: row for row in _lines(output_dir, name)}
 
 
-def launch(output_dir: str, overrides: list[str], kill: dict | None, timeout: float) -> dict:
+def launch(output_dir: str, config: str, overrides: list[str], kill: dict | None,
+           timeout: float) -> dict:
     """One launch of the job through scripts/torchrun.sh; what it did and left behind."""
     marker = uuid.uuid4().hex
     env = dict(os.environ, PYTHON=sys.executable, NPROC_PER_NODE="2",
@@ -186,7 +193,7 @@ def launch(output_dir: str, overrides: list[str], kill: dict | None, timeout: fl
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [os.path.join(REPO, "scripts", "torchrun.sh"), "train", "--config",
-             "configs/quickstart/grpo.yaml", f"runtime.output_dir={output_dir}", *overrides],
+             config, f"runtime.output_dir={output_dir}", *overrides],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             exit_code = process.wait(timeout=timeout)
@@ -231,16 +238,19 @@ def comparable(row: dict) -> dict:
     return {key: value for key, value in row.items() if not key.startswith(UNCOMPARED)}
 
 
-def run_placement(workdir: str, quickstart: str, placement: str, args) -> dict:
-    overrides = job_overrides(quickstart, placement, args.steps, args.save_every, args.eval_every)
+def run_placement(workdir: str, placement: str, args) -> dict:
+    agents = placement in AGENTS
+    config = f"configs/quickstart/{'agents_grpo' if agents else 'grpo'}.yaml"
+    overrides = job_overrides(prepare(workdir, agents), placement, args.steps, args.save_every,
+                              args.eval_every)
     reference_dir = os.path.join(workdir, f"{placement}_reference")
-    reference = launch(reference_dir, overrides, None, args.timeout)
+    reference = launch(reference_dir, config, overrides, None, args.timeout)
     chaos_dir = os.path.join(workdir, f"{placement}_chaos")
     launches = []
     kills = ([parse_kill_at(text) for text in args.kill] if args.kill
              else kill_schedule(args.seed, args.kills, placement))
     for kill in kills + [None]:
-        result = launch(chaos_dir, overrides, kill, args.timeout)
+        result = launch(chaos_dir, config, overrides, kill, args.timeout)
         result["kill"] = kill
         launches.append(result)
         print(_launch_line(placement, result), flush=True)
@@ -366,8 +376,7 @@ def main() -> int:
     if os.path.exists(os.path.join(workdir, "results.json")):
         parser.error(f"{workdir} holds an earlier chaos run; choose another --workdir")
     os.makedirs(workdir, exist_ok=True)
-    quickstart = prepare(workdir)
-    results = [run_placement(workdir, quickstart, placement, args)
+    results = [run_placement(workdir, placement, args)
                for placement in args.placements.split(",")]
     print(table(results))
     for path in (os.path.join(workdir, "results.json"), args.json):

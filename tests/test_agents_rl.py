@@ -24,9 +24,11 @@ MOE_R3 = ["model.qk_norm=true", "model.moe.num_experts=4", "model.moe.ffn_hidden
           "model.moe.router_topk=2", "model.moe.dense_layers=[0]",
           "parallel.expert_model_parallel_size=2", "rollout.routing_replay=r3"]
 LAYOUTS = {"two_engines": ["rollout.rollout_tp=1"],
-           "one_engine_at_tp2_moe_r3": ["rollout.rollout_tp=2", *MOE_R3]}
+           "one_engine_at_tp2_moe_r3": ["rollout.rollout_tp=2", "rollout.expert_parallel=true",
+                                        *MOE_R3]}
 """Two data-parallel vLLM instances, or one instance over both ranks, whose first rank runs
-the episodes of both ranks' prompts (the MoE model at EP2, with r3)."""
+the episodes of both ranks' prompts (the MoE model at EP2, with r3, each engine rank serving
+two experts whole: vLLM's expert parallelism)."""
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -278,11 +278,11 @@ def test_rl_config_rules_name_the_fields():
                                           "where ranks with experts split"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=megatron",
                                        "parallel.expert_model_parallel_size=2"]), 2)
-    with pytest.raises(ConfigError, match=r"rollout.expert_parallel=true: model.moe.num_experts=3 "
-                                          r"must be divisible by the engine's ranks \(rollout."
-                                          r"rollout_tp=2\)"):
-        validate_rl(load_config(None, ["model.moe.num_experts=3", "rollout.rollout_tp=2",
-                                       "rollout.expert_parallel=true"]), 2)
+    with pytest.raises(ConfigError, match=r"rollout.expert_parallel=true: model.moe.num_experts=6 "
+                                          r"must be divisible by the engine's 4 ranks \(data x "
+                                          r"tensor-parallel: rollout.rollout_tp=2\)"):
+        validate_rl(load_config(None, ["model.moe.num_experts=6", "rollout.rollout_tp=2",
+                                       "rollout.expert_parallel=true"]), 4)
     with pytest.raises(ConfigError, match="rollout.expert_parallel=true needs a Mixture-of-"):
         validate_rl(load_config(None, ["rollout.expert_parallel=true"]), 1)
     with pytest.raises(ConfigError, match=r"parallel.expert_tensor_parallel_size=0 must be "
@@ -306,8 +306,8 @@ def test_rl_config_rules_name_the_fields():
                                           "routes: needs rollout.engine=vllm"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.routing_replay=r3",
                                        "rollout.engine=megatron"]), 1)
-    with pytest.raises(ConfigError, match="rollout.rollout_tp=1 on 2 ranks: vLLM splits a "
-                                          "Mixture-of-Experts model's experts over all"):
+    with pytest.raises(ConfigError, match="rollout.rollout_tp=1 on 2 ranks: without expert "
+                                          "parallelism vLLM splits each expert over all"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.engine=vllm",
                                        "rollout.rollout_tp=1"]), 2)
     with pytest.raises(ConfigError, match="expert_model_parallel_size=2 x "

@@ -11,11 +11,15 @@ actor (the trainer's argmax), and every step's `reshard/bytes_received_max` equa
 `reshard/lower_bound_bytes`.
 
 A third world trains a Qwen3-MoE-like model (a dense first layer, 4 experts top-2) with its
-experts split over 2 ranks (EP2) and syncs into vLLM at rollout TP2 with vLLM's expert
-parallelism (`rollout.expert_parallel`): each engine rank serves the 2 experts Megatron trains
-on it, whole, so the sync moves nothing (its lower bound), and the engine's log-probs still
-equal the trainer's over two syncs (vLLM's CPU kernel needs runtime/cpu_compat.py's expert-map
-patch for that, or it reads past its local experts). It replays the engine's routes (r3):
+experts split over 2 ranks (EP2) and syncs into two vLLM instances (rollout TP1, data-parallel
+2) with vLLM's expert parallelism (`rollout.expert_parallel`), which spans both: each engine
+rank serves the 2 experts Megatron trains on it, whole, so the sync moves nothing (its lower
+bound). The two instances exchange tokens in every expert layer, so they generate in lockstep,
+an instance whose responses are done stepping empty batches until the other's are (the
+uneven evaluation below has one instance answer 64 responses, the other 32; on CPUs vLLM's
+communicator needs runtime/cpu_compat.py's variable-size exchanges for that). The engine's
+log-probs still equal the trainer's over two syncs (vLLM's CPU kernel needs the expert-map
+patch too, or it reads past its local experts). It replays the engine's routes (r3):
 captured from vLLM's routers by the tokens each request fed, the trainer's routers would have
 chosen them too (moe/router_agreement = 1.0 in fp32) and the log-probs still agree, which they
 would not if a route landed on the wrong token; responses streamed through the engine (as
@@ -51,7 +55,7 @@ UNEVEN_EVALUATION = ["algorithm.use_kl_loss=true", "data.toy.val_size=3",
                      "rollout.eval_sampling.n=32", "rollout.eval_sampling.temperature=1.0"]
 """3 validation prompts over DP2 (2 and 1), 32 responses each at micro-batches of 32: the
 ranks' KL-to-reference passes would take 2 and 1 micro-batches, each an all-to-all over EP2."""
-MOE_CASE = "moe_ep2_to_tp2_vllm_ep_r3"
+MOE_CASE = "moe_ep2_to_dp2_vllm_ep_r3"
 SEQUENCE_PARALLEL_CASE = "moe_tp2_sequence_parallel_ep2_etp1_to_tp2_r3"
 CASES = {  # name: (world size, overrides)
     "tp2pp2_to_tp4_tied": (4, WIDE_TIED + ["parallel.tensor_model_parallel_size=2",
@@ -59,7 +63,7 @@ CASES = {  # name: (world size, overrides)
                                            "rollout.rollout_tp=4"]),
     "tp1pp4_to_tp2": (4, ["model.num_layers=5", "parallel.pipeline_model_parallel_size=4",
                           "rollout.rollout_tp=2"]),  # uneven stages: 2, 1, 1, 1 layers
-    MOE_CASE: (2, MOE + ["parallel.expert_model_parallel_size=2", "rollout.rollout_tp=2",
+    MOE_CASE: (2, MOE + ["parallel.expert_model_parallel_size=2", "rollout.rollout_tp=1",
                          "rollout.expert_parallel=true", "rollout.routing_replay=r3"]
                + UNEVEN_EVALUATION),
     SEQUENCE_PARALLEL_CASE: (2, MOE + ["parallel.tensor_model_parallel_size=2",

@@ -197,15 +197,17 @@ def lora_errors(config: JobConfig, lora: LoraConfig, prefix: str) -> list[str]:
     return errors
 
 
-def _rollout_expert_parallel_errors(config: JobConfig) -> list[str]:
-    """vLLM's expert parallelism splits the experts over the engine's ranks, whole."""
-    experts, rollout_tp = config.model.moe.num_experts, config.rollout.rollout_tp
+def _rollout_expert_parallel_errors(config: JobConfig, engine_ranks: int) -> list[str]:
+    """vLLM's expert parallelism splits the experts, whole, over all the engine's ranks (its
+    data x tensor-parallel ranks)."""
+    experts = config.model.moe.num_experts
     if config.rollout.engine != "vllm":
         return [f"rollout.expert_parallel=true is vLLM's expert parallelism: needs "
                 f"rollout.engine=vllm, not {config.rollout.engine!r}"]
-    if experts % rollout_tp:
+    if experts % engine_ranks:
         return [f"rollout.expert_parallel=true: model.moe.num_experts={experts} must be "
-                f"divisible by the engine's ranks (rollout.rollout_tp={rollout_tp})"]
+                f"divisible by the engine's {engine_ranks} ranks (data x tensor-parallel: "
+                f"rollout.rollout_tp={config.rollout.rollout_tp})"]
     return []
 
 
@@ -213,9 +215,10 @@ def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
     """What an RL job on a Mixture-of-Experts model cannot do yet. With experts split over
     ranks, every forward pass exchanges tokens among the EP ranks, so they must run the same
     number of them: generating on the actor (responses of different lengths) would leave one
-    waiting (token-budget micro-batches are evened out with fillers). vLLM splits each expert
-    over all its data x tensor-parallel ranks, not over one engine's TP ranks as the weight
-    sync plans it (seen as mismatched shapes at the first sync)."""
+    waiting (token-budget micro-batches are evened out with fillers). Without expert
+    parallelism vLLM splits each expert over all its data x tensor-parallel ranks, not over
+    one engine's TP ranks as the weight sync plans it (seen as mismatched shapes at the first
+    sync)."""
     replay = config.rollout.routing_replay
     if not config.model.moe.enabled:
         return [f"rollout.{field}={value} needs a Mixture-of-Experts model (model.moe."
@@ -227,13 +230,15 @@ def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
         errors.append("rollout.routing_replay=r3 replays the vLLM engine's routes: needs "
                       "rollout.engine=vllm")
     engine_ranks = config.placement.engine_ranks(world_size)
-    if config.rollout.engine == "vllm" and engine_ranks > config.rollout.rollout_tp:
+    if config.rollout.engine == "vllm" and engine_ranks > config.rollout.rollout_tp \
+            and not config.rollout.expert_parallel:
         errors.append(f"rollout.rollout_tp={config.rollout.rollout_tp} on {engine_ranks} ranks: "
-                      "vLLM splits a Mixture-of-Experts model's experts over all its data x "
-                      "tensor-parallel ranks, which the weight sync does not plan yet; set "
+                      "without expert parallelism vLLM splits each expert over all its data x "
+                      "tensor-parallel ranks, which the weight sync does not plan; set "
+                      "rollout.expert_parallel=true (each rank serves whole experts) or "
                       "rollout.rollout_tp to the number of ranks (docs/moe.md)")
     if config.rollout.expert_parallel:
-        errors += _rollout_expert_parallel_errors(config)
+        errors += _rollout_expert_parallel_errors(config, engine_ranks)
     if config.parallel.expert_model_parallel_size > 1:
         if config.rollout.engine != "vllm":
             errors.append(f"rollout.engine={config.rollout.engine!r} generates on the actor, "

@@ -90,9 +90,10 @@ class RolloutConfig:
 
     expert_parallel: bool = False
     """vLLM expert parallelism for a Mixture-of-Experts model (vLLM's enable_expert_parallel):
-    each engine rank serves num_experts / rollout_tp experts whole instead of a 1/rollout_tp
-    slice of every expert, and the weight sync sends each rank only the experts it serves.
-    The experts must divide over the engine's ranks."""
+    over all the engine's ranks (data x tensor-parallel), each serves num_experts / ranks
+    experts whole instead of a slice of every expert, and the weight sync sends each rank
+    only the experts it serves. The experts must divide over the engine's ranks. Needed for
+    more engine ranks than rollout_tp (several data-parallel instances)."""
 
     prompts_per_step: int = 8
     """Prompts per RL step over all data-parallel ranks; each gets `sampling.n` responses."""

@@ -137,6 +137,7 @@ class VllmEngine(RolloutEngine):
             cpu_compat.name_vllm_cpu_segments_per_job(_job_name())
             if expert_parallel:
                 cpu_compat.serve_local_experts_in_vllm_cpu_kernel()
+                cpu_compat.exchange_variable_sizes_in_vllm_cpu_communicator()
         self.llm, problems = _start_llm(
             model=model_dir, tokenizer=tokenizer_dir or model_dir,
             skip_tokenizer_init=tokenizer_dir is None, dtype=VLLM_DTYPES[dtype],

@@ -42,6 +42,10 @@ PATCHES = {
     "vllm CPUUnquantizedExperts.apply with an expert_map": "vLLM's expert parallelism on CPUs "
     "(vllm_engine, CPU only): the CPU kernel indexes its local experts by global expert ids "
     "and reads past them (SIGSEGV); ids become local slots, other experts' weights 0",
+    "vllm CpuCommunicator.all_gatherv / reduce_scatterv": "vLLM's expert parallelism over "
+    "data-parallel instances on CPUs (vllm_engine, CPU only): its naive all-to-all gathers "
+    "each instance's tokens and sums the outputs back with these, which the CPU communicator "
+    "lacks (NotImplementedError)",
     "torch._dynamo.config.disable (torch.compile'd functions run as written)": "vLLM's sampler "
     "ops (batched_count_greater_than for every log-prob): inductor builds them with the C++ "
     "compiler in every process, about 7 s at each engine's first generate",
@@ -178,6 +182,51 @@ def serve_local_experts_in_vllm_cpu_kernel() -> None:
 
     apply._vllm_original = original
     CPUUnquantizedExperts.apply = apply
+
+
+def exchange_variable_sizes_in_vllm_cpu_communicator() -> None:
+    """vLLM's expert parallelism over data-parallel instances gathers every instance's tokens
+    before the expert layer (`all_gatherv`, a different count from each) and sums the experts'
+    outputs back to their instances after it (`reduce_scatterv`); its CPU communicator has
+    neither. Give it both, over its process group, along dim 0 (the only one the all-to-all
+    uses): the gather pads each part to the largest and trims it after; the reduce-scatter
+    all-reduces the whole and keeps this rank's rows (more bytes than a reduce-scatter, the
+    same sums)."""
+    if torch.cuda.is_available():
+        raise RuntimeError("exchange_variable_sizes_in_vllm_cpu_communicator is for vLLM's CPU "
+                           "backend only")
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    def all_gatherv(self, input_, dim: int = 0, sizes=None):
+        if dim != 0:
+            raise NotImplementedError("only dim 0 all-gatherv is supported")
+        tensors = [input_] if isinstance(input_, torch.Tensor) else list(input_)
+        sizes = sizes or [tensors[0].shape[0]] * self.world_size
+        gathered = []
+        for tensor in tensors:
+            padded = tensor.new_zeros((max(sizes), *tensor.shape[1:]))
+            padded[:tensor.shape[0]] = tensor
+            parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+            dist.all_gather(parts, padded, group=self.device_group)
+            gathered.append(torch.cat([part[:size] for part, size in zip(parts, sizes)]))
+        return gathered[0] if isinstance(input_, torch.Tensor) else gathered
+
+    def reduce_scatterv(self, input_, dim: int = -1, sizes=None):
+        if dim not in (0, -input_.dim()):
+            raise NotImplementedError("only dim 0 reduce-scatterv is supported")
+        sizes = sizes or [input_.shape[0] // self.world_size] * self.world_size
+        total = input_.clone()
+        dist.all_reduce(total, group=self.device_group)
+        start = sum(sizes[:self.rank_in_group])
+        return total[start:start + sizes[self.rank_in_group]].contiguous()
+
+    def reduce_scatterv_into_output(self, input_, output, dim: int = -1, sizes=None):
+        return output.copy_(reduce_scatterv(self, input_, dim, sizes))
+
+    CpuCommunicator.all_gatherv = all_gatherv
+    CpuCommunicator.reduce_scatterv = reduce_scatterv
+    CpuCommunicator.reduce_scatterv_into_output = reduce_scatterv_into_output
 
 
 def _run_compiled_functions_as_written() -> None:

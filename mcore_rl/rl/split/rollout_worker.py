@@ -174,7 +174,8 @@ class RolloutWorker:
 
     # -- generation ------------------------------------------------------------------------------
     def _open_batches(self) -> None:
-        """Open every batch whose responses may start with the current weights."""
+        """Open every batch whose responses may start with the current weights (up to the
+        last step's; a batch of multi-turn episodes runs before the next opens)."""
         if self.version is None:
             return
         last = min(self.version + self.config.rollout.max_staleness,
@@ -190,10 +191,10 @@ class RolloutWorker:
                                                         token_ids[mine], sampling,
                                                         self.version))
             else:
-                self.next_batch += 1
                 self._run_episodes("batch", step, records[mine], sampling)
-                return  # to send the batch before opening the next
             self.next_batch += 1
+            if self.episodes is not None:
+                return  # a batch of episodes has run: send it before opening the next
 
     def _open_evaluation(self, version: int) -> None:
         if version != self.version:
