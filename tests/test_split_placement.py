@@ -122,7 +122,7 @@ def test_episodes_continue_across_weight_updates(tmp_path, tokenizer_dir, mode, 
         "actor.micro_batch_size=16", f"placement.rollout_ranks={world - 1}",
         f"rollout.rollout_tp={world - 1}", "rollout.max_staleness=1",
         f"rollout.partial_rollout={mode}", "rollout.importance_cap=2.0",
-        "rollout.update_check_steps=1", "algorithm.entropy_coef=0.1", "trainer.total_steps=4",
+        "rollout.update_check_steps=1", "algorithm.entropy_coef=0.1", "trainer.total_steps=3",
         "trainer.eval_every=0"], signal_after_step=0, fail_rollout_at_batch=-1,
         own_version_gaps=True)
     seen, history = result[0]["seen"], result[0]["history"]
