@@ -140,7 +140,7 @@ def main() -> None:
             _stop(server)
     print(f"model {args.model} ({args.dtype}), {args.max_tokens} new tokens at most, greedy, "
           f"{args.seconds} s per run, spawn rate {args.spawn_rate}/s; logs in {scratch}")
-    print(f"| server | users | requests/s | p50 ms | p95 ms | p99 ms | failures | requests |")
+    print("| server | users | requests/s | p50 ms | p95 ms | p99 ms | failures | requests |")
     print("|---|---|---|---|---|---|---|---|")
     for side, rows in results.items():
         for row in rows:

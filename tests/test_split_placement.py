@@ -75,7 +75,7 @@ def test_synchronous_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
     """On a Mixture-of-Experts model (its first layer dense, so the dense path runs too) with
     r3: the routes of its responses travel with them from the rollout rank
     (moe/routes_replayed 1.0, the trainer's routers agreeing with vLLM's)."""
-    common = ["trainer.total_steps=3", "trainer.eval_every=3", *MOE_R3]
+    common = ["trainer.total_steps=2", "trainer.eval_every=2", *MOE_R3]
     colocated = run_job(tmp_path / "colocated", tokenizer_dir, 1, common)
     split = run_job(tmp_path / "split", tokenizer_dir, 2, common + ["placement.rollout_ranks=1"])
     assert split[1]["exit_code"] == 0
@@ -196,16 +196,16 @@ def test_preempted_split_run_stops_every_rank_and_resumes_every_prompt_once(tmp_
     from split_worker import TOY_CONFIG
 
     overrides = ["placement.rollout_ranks=1", "rollout.max_staleness=1",
-                 "rollout.importance_cap=2.0", "trainer.total_steps=4", "trainer.eval_every=0"]
-    first = run_job(tmp_path, tokenizer_dir, 2, overrides, signal_after_step=2)
+                 "rollout.importance_cap=2.0", "trainer.total_steps=3", "trainer.eval_every=0"]
+    first = run_job(tmp_path, tokenizer_dir, 2, overrides, signal_after_step=1)
     assert first[0]["preempted"] and first[1]["exit_code"] == 75
     second = run_job(tmp_path, tokenizer_dir, 2, overrides)
     assert not second[0]["preempted"] and second[1]["exit_code"] == 0
     seen = first[0]["seen"] + second[0]["seen"]
-    assert [entry["step"] for entry in seen] == [0, 1, 2, 3]
+    assert [entry["step"] for entry in seen] == [0, 1, 2]
     data = load_config(TOY_CONFIG).data
     sampler = PromptSampler(data.toy.size, 16, 0, 1, data.seed, data.shuffle)
-    assert [entry["prompts"] for entry in seen] == [sampler.next_indices() for _ in range(4)]
+    assert [entry["prompts"] for entry in seen] == [sampler.next_indices() for _ in range(3)]
     # The batch in flight at the save is generated again, from the restored weights.
     assert set(staleness_of(second[0]["seen"][:1])) == {0}
 
