@@ -129,23 +129,12 @@ class InstanceBook:
         has so far). Returns the request keys to abort and the requests that replace them
         (restart=True: partial_rollout=abort); with restart=False every response continues,
         its tokens from here on recorded as sampled by `version`."""
-        aborted, restarted = [], []
-        for key, response in list(self.in_flight.items()):
-            if response.share[0] != "batch":
-                continue
-            tokens = generated.get(key, 0)
-            if not restart or tokens == 0:
-                response.versions = continued(response.versions, tokens, version)
-                continue
-            del self.in_flight[key]
-            response.attempt += 1
-            response.request = restarted_request(response.request, response.attempt)
-            response.versions = [(0, version)]
-            self.in_flight[response.request.key] = response
+        training = [key for key, response in self.in_flight.items()
+                    if response.share[0] == "batch"]
+        aborted, again = apply_update(self.in_flight, training, generated, version, restart)
+        for response in again:
             self.shares[response.share].restarts += 1
-            aborted.append(key)
-            restarted.append(response.request)
-        return aborted, restarted
+        return aborted, [response.request for response in again]
 
     def complete_shares(self) -> list[OpenShare]:
         return [share for share in self.shares.values() if share.complete]
@@ -157,14 +146,29 @@ class InstanceBook:
         return list(self.in_flight)
 
 
-def continued(versions: list[tuple[int, int]], tokens: int, version: int
-              ) -> list[tuple[int, int]]:
-    """The (first token, version) stretches of a request that goes on with weights of
-    `version` after sampling `tokens` tokens (a request not begun simply starts with it)."""
-    return [(0, version)] if tokens == 0 else versions + [(tokens, version)]
 
-
-def restarted_request(request: SampleRequest, attempt: int) -> SampleRequest:
-    """`request` asked again from its start (partial_rollout=abort) under a key of its own:
-    its key up to any earlier attempt's suffix, then /a<attempt>."""
-    return dataclasses.replace(request, key=f"{request.key.rsplit('/a', 1)[0]}/a{attempt}")
+def apply_update(in_flight: dict, keys: list[str], generated: dict[str, int], version: int,
+                 restart: bool) -> tuple[list[str], list]:
+    """New weights of `version` for the requests `keys` of `in_flight` (key -> an entry with
+    request, versions and attempt; `generated`: the tokens each has so far). Each goes on,
+    its tokens from here on recorded as sampled by `version` (one not begun simply starts
+    with it); with `restart` (partial_rollout=abort) one that has begun is asked again from
+    its start, under its key up to any earlier attempt's suffix, then /a<attempt>. Returns
+    the keys to abort and the restarted entries (in `in_flight` under their new keys)."""
+    aborted, again = [], []
+    for key in keys:
+        entry = in_flight[key]
+        tokens = generated.get(key, 0)
+        if not restart or tokens == 0:
+            entry.versions = [(0, version)] if tokens == 0 \
+                else entry.versions + [(tokens, version)]
+            continue
+        del in_flight[key]
+        entry.attempt += 1
+        entry.request = dataclasses.replace(
+            entry.request, key=f"{entry.request.key.rsplit('/a', 1)[0]}/a{entry.attempt}")
+        entry.versions = [(0, version)]
+        in_flight[entry.request.key] = entry
+        aborted.append(key)
+        again.append(entry)
+    return aborted, again

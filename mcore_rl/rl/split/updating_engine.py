@@ -24,13 +24,16 @@ from typing import Callable, Optional
 
 from mcore_rl.rollout import FinishedSample, RolloutEngine, SampleRequest
 
-from .book import continued, restarted_request
+from .book import apply_update
 
 
 @dataclasses.dataclass
 class _Turn:
+    key: str
+    """The key the episode asked for it under."""
+
     request: SampleRequest
-    """As the episode asked for it (its key is the one the episode knows)."""
+    """As the engine runs it (another key once restarted)."""
 
     versions: list[tuple[int, int]]
     attempt: int = 0
@@ -57,7 +60,7 @@ class UpdatingEngine:
 
     def add_requests(self, requests: list[SampleRequest]) -> None:
         for request in requests:
-            self._turns[request.key] = _Turn(request, [(0, self.version)])
+            self._turns[request.key] = _Turn(request.key, request, [(0, self.version)])
         self.engine.add_requests(requests)
 
     def has_unfinished(self, local_work: bool = False) -> bool:
@@ -72,26 +75,14 @@ class UpdatingEngine:
         finished = []
         for sample in self.engine.step():
             turn = self._turns.pop(sample.key)
-            finished.append(dataclasses.replace(sample, key=turn.request.key,
+            finished.append(dataclasses.replace(sample, key=turn.key,
                                                 versions=tuple(turn.versions)))
         return finished
 
     def _weights_changed(self, version: int) -> None:
-        generated = self.engine.generated_lengths()
-        aborted, again = [], []
-        for key, turn in list(self._turns.items()):
-            tokens = generated.get(key, 0)
-            if not self.restart or tokens == 0:
-                turn.versions = continued(turn.versions, tokens, version)
-                continue
-            del self._turns[key]
-            turn.attempt += 1
-            request = restarted_request(turn.request, turn.attempt)
-            turn.versions = [(0, version)]
-            self._turns[request.key] = turn
-            aborted.append(key)
-            again.append(request)
+        aborted, again = apply_update(self._turns, list(self._turns),
+                                      self.engine.generated_lengths(), version, self.restart)
         self.restarts += len(again)
         self.engine.abort(aborted)
-        self.engine.add_requests(again)
+        self.engine.add_requests([turn.request for turn in again])
         self.version = version
