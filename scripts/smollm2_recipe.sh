@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct on easy arithmetic, 2 CPU ranks: reasoning-gym generates the task
 # (2 terms, 1-2 digits, + and -, no parentheses or negation: data.reasoning_gym.task_kwargs),
-# a one-epoch SFT warm-up on 224 generated demonstrations (question -> the number), then GRPO
-# (configs/grpo_smollm2_reasoning_gym.yaml, same task settings, 8 prompts x 8 samples a step, old
-# log-probs from the engine) with greedy held-out accuracy on 64 questions before the first step,
-# every 10 steps and after. Figures: docs/smollm2_example.md.
+# a one-epoch SFT warm-up on 224 generated demonstrations (question -> the number), then 40 GRPO
+# steps (configs/grpo_smollm2_reasoning_gym.yaml, same task settings, 8 prompts x 8 samples a
+# step, lr 1e-5, no KL term, old log-probs from the engine) with greedy held-out accuracy on 256
+# questions before the first step, every 10 steps and after. Figures, and why these settings:
+# docs/smollm2_example.md.
 #
 #   bash scripts/smollm2_recipe.sh [extra mcore-rl train overrides]     # SMOLLM2_DIR moves it
 #   bash scripts/smollm2_recipe.sh --sft-only    # stages 1-2 (bench/trl_grpo.py's smollm2-learn)
@@ -52,7 +53,8 @@ phase "3/3 GRPO from the SFT weights"
 ranks train --config configs/grpo_smollm2_reasoning_gym.yaml init.hf_path=null \
   init.checkpoint="$DIR/sft/model" runtime.output_dir="$DIR/grpo" \
   "data.reasoning_gym.task_kwargs=$TASK" \
-  data.reasoning_gym.val_size=64 rollout.sampling.max_new_tokens=16 \
+  data.reasoning_gym.val_size=256 rollout.sampling.max_new_tokens=16 \
   rollout.eval_sampling.max_new_tokens=16 rollout.prompts_per_step=8 rollout.old_logprobs=engine \
-  trainer.total_steps=20 trainer.eval_every=10 "$@"
+  actor.micro_batch_size=32 algorithm.use_kl_loss=false \
+  trainer.total_steps=40 trainer.eval_every=10 "$@"
 echo "smollm2 recipe: $((SECONDS - started)) s"

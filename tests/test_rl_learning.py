@@ -95,22 +95,23 @@ def test_seed_python_loop_learns_a_reward_that_reads_the_prompt(tmp_path, tokeni
     assert len(rewards) == steps and last >= first + 0.15, rewards
 
 
-def three_steps(tmp_path, tokenizer_dir, name: str, world: int, extra: list[str]) -> list:
-    """The metrics of three seeded GRPO steps (world 1 unless said)."""
+def seeded_steps(tmp_path, tokenizer_dir, name: str, world: int, extra: list[str]) -> list:
+    """The metrics of two seeded GRPO steps (world 1 unless said): the second samples
+    from the updated weights."""
     from rl_worker import train_steps
 
     overrides = extra + ["actor.micro_batch_size=64", f"data.tokenizer={tokenizer_dir}",
-                         f"runtime.output_dir={tmp_path / name}", "trainer.total_steps=3",
+                         f"runtime.output_dir={tmp_path / name}", "trainer.total_steps=2",
                          "trainer.eval_every=0", "trainer.plots=false"]
-    run_world(world, train_steps, str(tmp_path / f"{name}.pt"), overrides, 3)
+    run_world(world, train_steps, str(tmp_path / f"{name}.pt"), overrides, 2)
     return torch.load(tmp_path / f"{name}.pt")
 
 
 @pytest.fixture(scope="module")
 def one_rank_steps(tmp_path_factory, tokenizer_dir):
-    """Three steps at world 1 with the trainer's own old log-probs: the reference below."""
-    return three_steps(tmp_path_factory.mktemp("one_rank"), tokenizer_dir, "trainer", 1,
-                       ["rollout.old_logprobs=trainer"])
+    """Two steps at world 1 with the trainer's own old log-probs: the reference below."""
+    return seeded_steps(tmp_path_factory.mktemp("one_rank"), tokenizer_dir, "trainer", 1,
+                        ["rollout.old_logprobs=trainer"])
 
 
 def assert_same_steps(reference: list, other: list) -> None:
@@ -126,9 +127,9 @@ def test_engine_old_logprobs_train_like_trainer_old_logprobs(tmp_path, tokenizer
                                                               one_rank_steps):
     """rollout.old_logprobs=engine (verl's bypass mode) skips the actor's forward pass before
     the update; with one on-policy step per batch the PPO ratio then differs from 1 only by the
-    engine/trainer mismatch (about 1e-6 in fp32), so three seeded steps must match those of the
+    engine/trainer mismatch (about 1e-6 in fp32), so two seeded steps must match those of the
     exact path: same samples, same rewards, losses and gradient norms equal to 1e-4."""
-    bypass = three_steps(tmp_path, tokenizer_dir, "engine", 1, ["rollout.old_logprobs=engine"])
+    bypass = seeded_steps(tmp_path, tokenizer_dir, "engine", 1, ["rollout.old_logprobs=engine"])
     assert_same_steps(one_rank_steps, bypass)
     assert all("rollout/logprob_abs_diff_max" not in step for step in bypass)
 
@@ -138,7 +139,7 @@ def test_context_parallel_run_matches_one_rank(tmp_path, tokenizer_dir, one_rank
     vLLM, step for step the world-1 run: rank 0's engine samples what the one-rank engine
     samples (same seed, same weights after each update), its CP peer adopts them, and the
     trainer's log-probs and update equal one rank's."""
-    split = three_steps(tmp_path, tokenizer_dir, "cp2", 2, [
+    split = seeded_steps(tmp_path, tokenizer_dir, "cp2", 2, [
         "rollout.old_logprobs=trainer", "parallel.context_parallel_size=2"])
     assert_same_steps(one_rank_steps, split)
     for step in split:  # the trainer scored what the engine sampled (fp32)

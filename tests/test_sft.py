@@ -12,6 +12,7 @@ import torch
 
 from hf_models import write_tiny_qwen3_moe
 from lora_reference import assert_same_adapter, lora_overrides, peft_policy
+from world import run_world
 
 from mcore_rl.config.sft import SftConfig
 from mcore_rl.data.records import DataError
@@ -138,14 +139,20 @@ def response_nll(model, tokenizer, demonstrations) -> torch.Tensor:
     return total / count
 
 
+def _convert_to_hf(checkpoint: str, folder: str) -> None:
+    from mcore_rl.conversion.mcore_to_hf import convert_mcore_to_hf
+    from mcore_rl.runtime import start_process_group
+
+    start_process_group(timeout_minutes=3)
+    convert_mcore_to_hf(checkpoint, folder)
+
+
 def exported_to_hf(checkpoint, folder):
-    """`mcore-rl convert mcore-to-hf` of `checkpoint`, loaded back with transformers."""
+    """`checkpoint` converted to HF (what `mcore-rl convert mcore-to-hf` runs; the command
+    itself is tested in test_megatron_versions), loaded back with transformers."""
     from transformers import AutoModelForCausalLM
 
-    done = subprocess.run([sys.executable, "-m", "mcore_rl", "convert", "mcore-to-hf", "--ckpt",
-                           str(checkpoint), "--out", str(folder)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_world(1, _convert_to_hf, str(checkpoint), str(folder))
     return AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
 
 

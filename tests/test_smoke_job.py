@@ -1,13 +1,12 @@
 """The distributed smoke job through the real launcher: scripts/torchrun.sh with 4 CPU ranks at
-TP2 x PP2, in fp32 and bf16."""
+TP2 x PP2, in bf16 from a random start and in fp32 from an HF folder (its loss against
+transformers')."""
 
 import math
 import os
 import re
 import subprocess
 import sys
-
-import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_LINE = re.compile(r"step (\d+): loss ([0-9.]+)\s+grad_norm ([0-9.]+)")
@@ -19,10 +18,9 @@ def run_launcher(*arguments, port):
                           env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("precision, port", [("fp32", 29541), ("bf16", 29542)])
-def test_smoke_job_trains_at_tp2_pp2(precision, port):
+def test_smoke_job_trains_at_tp2_pp2_in_bf16():
     done = run_launcher("smoke", "--config", "configs/smoke.yaml", "smoke.steps=3",
-                        f"runtime.precision={precision}", port=port)
+                        "runtime.precision=bf16", port=29542)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "TP 2 x PP 2 x DP 1" in done.stdout
     steps = [(int(s), float(loss), float(norm)) for s, loss, norm in
@@ -57,7 +55,7 @@ def test_smoke_job_from_hf_folder_reports_transformers_loss(tmp_path):
                  "batch.micro_batch_size=2", "batch.seq_length=32", "smoke.steps=1"]
     done = run_launcher("smoke", *overrides, port=29544)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"weights from {hf_dir}" in done.stdout
+    assert f"weights from {hf_dir}" in done.stdout and "TP 2 x PP 2 x DP 1" in done.stdout
     batch = random_batch(with_model_from_init(load_config(None, overrides)), step=0)
     with torch.no_grad():
         logits = hf_model(input_ids=batch["input_ids"],
