@@ -16,10 +16,9 @@ from mcore_rl.config.rl import ImportanceCorrection, RolloutConfig
 from mcore_rl.config.rollout import SamplingConfig
 from mcore_rl.rollout import Completion, Generation
 from mcore_rl.rl.api import make_trainer_config
-from mcore_rl.rl.experience import (Rollout, make_experience, mini_batches,
+from mcore_rl.rl.experience import (Rollout, group_variation, make_experience, mini_batches,
                                          overlong_penalty, select_groups, varied_groups)
 from mcore_rl.observability.step_metrics import SumsAndCounts
-from mcore_rl.rl.step_statistics import varied_groups_mask
 from mcore_rl.rl.trainer import is_bad_step
 from world import run_world
 
@@ -91,12 +90,10 @@ def test_dynamic_sampling_keeps_groups_with_varied_rewards():
                      results([0.0, 1.0]))
     # Prompt 1 of the first round has a single response: nothing to compare, no signal.
     assert varied_groups(first) == [0] and varied_groups(second) == [0]
-    # The per-step metric (reward/varied_group_fraction) reads the same off the batch tensors.
-    for rollout, want in ((first, [True]), (second, [True])):
-        prompts = torch.tensor([c.prompt_index for c in rollout.generation.completions])
-        assert varied_groups_mask(torch.tensor(rollout.scores), prompts).tolist() == want
-    assert varied_groups_mask(torch.tensor([0.5, 0.5, 1.0]), torch.tensor([0, 0, 1])).tolist() \
-        == [False]
+    # The per-step metric (reward/varied_group_fraction) reads the batch's tensors.
+    groups, varied = group_variation(torch.tensor([0.5, 0.5, 1.0, 0.0, 1.0]),
+                                     torch.tensor([0, 0, 1, 2, 2]))
+    assert groups.tolist() == [0, 2] and varied.tolist() == [False, True]
     merged = select_groups([first, second], [[0], [0]])
     assert merged.records == ["r0", "s0"] and merged.token_ids == [[5, 6], [9]]
     assert [c.prompt_index for c in merged.generation.completions] == [0, 0, 1, 1]

@@ -121,13 +121,25 @@ class Rollout:
                             dtype=torch.float64)
 
 
+def group_variation(scores: torch.Tensor, group_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The groups of two or more responses, and whether each one's scores differ: only those
+    carry a group-relative (GRPO) learning signal (DAPO's dynamic sampling keeps them). On the
+    scores' device."""
+    groups, members, sizes = group_ids.unique(return_inverse=True, return_counts=True)
+    highest = scores.new_full(groups.shape, -float("inf")).scatter_reduce(0, members, scores,
+                                                                          "amax")
+    lowest = scores.new_full(groups.shape, float("inf")).scatter_reduce(0, members, scores,
+                                                                        "amin")
+    compared = sizes > 1
+    return groups[compared], (highest > lowest)[compared]
+
+
 def varied_groups(rollout: Rollout) -> list[int]:
-    """Prompts whose responses did not all score the same: the only groups that carry a GRPO
-    learning signal (DAPO's dynamic sampling keeps these)."""
-    scores: dict[int, set] = {}
-    for completion, result in zip(rollout.generation.completions, rollout.results):
-        scores.setdefault(completion.prompt_index, set()).add(result.score)
-    return sorted(prompt for prompt, values in scores.items() if len(values) > 1)
+    """Prompts whose responses did not all score the same (see group_variation)."""
+    prompts = torch.tensor([c.prompt_index for c in rollout.generation.completions])
+    groups, varied = group_variation(torch.tensor(rollout.scores, dtype=torch.float64), prompts)
+    return groups[varied].tolist()
 
 
 def select_groups(rollouts: list[Rollout], kept: list[list[int]]) -> Rollout:

@@ -12,7 +12,7 @@ from mcore_rl.config.rl import ImportanceCorrection
 from mcore_rl.observability.step_metrics import SumsAndCounts
 from mcore_rl.rollout.mismatch import add_logprob_mismatch
 
-from .experience import Rollout
+from .experience import Rollout, group_variation
 
 
 def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
@@ -24,7 +24,7 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
     scores = batch["scores"].double()
     stats.add("reward/mean", scores)
     stats.add("reward/square", scores.square())
-    varied = varied_groups_mask(scores, batch["group_ids"])
+    _, varied = group_variation(scores, batch["group_ids"])
     if varied.numel():
         stats.add("reward/varied_group_fraction", varied.double())
     if results and results[0].correct is not None:
@@ -55,15 +55,6 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
         stats.add("critic/returns_square", returns.square(), response)
         stats.add("critic/error_mean", returns - values, response)
         stats.add("critic/error_square", (returns - values).square(), response)
-
-
-def varied_groups_mask(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Per group of two or more responses: whether their scores differ. Only those groups carry
-    a group-relative (GRPO) learning signal; dynamic sampling trains on nothing else."""
-    varied = [bool(group.max() > group.min()) for group in
-              (scores[group_ids == index] for index in group_ids.unique())
-              if group.numel() > 1]
-    return torch.tensor(varied, dtype=torch.bool)
 
 
 def prefill_statistics(generation_metrics: dict, samples: int, stats: SumsAndCounts) -> None:
