@@ -10,11 +10,12 @@ would hand to the model's code (`gc.get_objects()`), a reward-hacking path RL fi
 an allow-listed environment (`ENVIRONMENT`), none of the rank's variables (tokens, credentials).
 That process closes every descriptor it inherited but its output and its interpreter's (the
 session's channel to the rank above all: model code must not speak for the session), sits in a
-process group of its own (killed as a group at the deadline, which takes its children along), dies
-with the session (PDEATHSIG), and has its own RLIMIT_AS and RLIMIT_CPU. Its file descriptors 1 and
-2 go into one pipe, so output of C code and of programs it starts is captured too; the caller keeps
-the first max_output_chars characters and discards the rest as it reads, so the code never blocks
-on a full pipe.
+process group of its own (killed as a group when it exits or at the deadline, which takes its
+children along: a background child holding the output costs no wait), dies with the session
+(PDEATHSIG), and has its own RLIMIT_AS and RLIMIT_CPU. Its file descriptors 1 and 2 go into one
+pipe, so output of C code and of programs it starts is captured too; the caller keeps the first
+max_output_chars characters and discards the rest as it reads, so the code never blocks on a full
+pipe.
 """
 
 from __future__ import annotations
@@ -159,41 +160,46 @@ def _limit(kind: int, value: int) -> None:
 
 def _collect(pid: int, read_end: int, timeout_seconds: float,
              max_output_chars: int) -> tuple[str, bool]:
-    """Read the process's output until it exits and its pipe closes, or the deadline.
-    Returns (output text, whether the deadline passed)."""
+    """Read the process's output until it has exited and its pipe has closed, or the deadline.
+    When it exits, what it started dies with it (its group is killed), so a child left running
+    with the pipe open costs no wait. Returns (output text, whether the deadline passed)."""
     deadline = time.monotonic() + timeout_seconds
     kept, total_bytes = bytearray(), 0
     limit_bytes = 4 * max_output_chars  # enough bytes for max_output_chars UTF-8 characters
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([read_end], [], [], remaining)[0]:
-            return _text(kept, total_bytes, max_output_chars), True
-        chunk = os.read(read_end, READ_CHUNK_BYTES)
-        if not chunk:
-            break
-        total_bytes += len(chunk)
-        kept += chunk[:max(0, limit_bytes - len(kept))]
-    if not _wait_for_exit(pid, deadline):
-        return _text(kept, total_bytes, max_output_chars), True
+    exit_fd = os.pidfd_open(pid)
+    pending = {read_end, exit_fd}
+    try:
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready = select.select(list(pending), [], [], remaining)[0] if remaining > 0 else []
+            if not ready:
+                return _text(kept, total_bytes, max_output_chars), True
+            if exit_fd in ready:
+                pending.discard(exit_fd)
+                _kill_group(pid)
+            if read_end in ready:
+                chunk = os.read(read_end, READ_CHUNK_BYTES)
+                if not chunk:
+                    pending.discard(read_end)
+                total_bytes += len(chunk)
+                kept += chunk[:max(0, limit_bytes - len(kept))]
+    finally:
+        os.close(exit_fd)
     return _text(kept, total_bytes, max_output_chars), False
 
 
-def _wait_for_exit(pid: int, deadline: float) -> bool:
-    """Whether the process exits before the deadline (its output closed: it is ending, unless
-    it closed descriptors 1 and 2 itself)."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        return bool(select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0])
-    finally:
-        os.close(pidfd)
-
-
-def _end(pid: int) -> int:
-    """Kill what is left of the process's group and reap the process; its wait status."""
+def _kill_group(pid: int) -> None:
+    """SIGKILL what is left of the process's group (the group outlives its leader until the
+    leader is reaped)."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _end(pid: int) -> int:
+    """Kill what is left of the process's group and reap the process; its wait status."""
+    _kill_group(pid)
     return os.waitpid(pid, 0)[1]
 
 
