@@ -172,7 +172,7 @@ def link_smollm2(folder: str) -> int:
 def write_sft_model(folder: str, args) -> None:
     """SmolLM2 after scripts/smollm2_recipe.sh's SFT warm-up (its stages 1-2, on 2 ranks),
     converted to an HF folder at `folder` for both sides."""
-    recipe_dir = os.path.join(args.work_dir, "recipe")
+    recipe_dir = args.recipe_dir or os.path.join(args.work_dir, "recipe")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=OURS_PYTHON, SMOLLM2_DIR=recipe_dir,
                MASTER_PORT=str(_free_port()))
     _run(["bash", os.path.join(REPO, "scripts", "smollm2_recipe.sh"), "--sft-only"], env,
@@ -496,6 +496,9 @@ def main() -> None:
     parser.add_argument("--ours-ranks", type=int, default=1)
     parser.add_argument("--trl-threads", type=int, default=1)
     parser.add_argument("--work-dir", default="/tmp/trl_work/bench")
+    parser.add_argument("--recipe-dir", help="smollm2-learn: the scripts/smollm2_recipe.sh folder "
+                        "(SMOLLM2_DIR) whose SFT warm-up is reused, or made there when missing "
+                        "(default: a new one under --work-dir)")
     parser.add_argument("--report", metavar="RESULTS_JSON",
                         help="only print the tables of an earlier run's results.json")
     args = parser.parse_args()

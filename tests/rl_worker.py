@@ -42,21 +42,6 @@ def train(out_path: str, overrides: list[str]) -> None:
     trainer.close()
 
 
-def train_then_die(out_path: str, overrides: list[str], kill_after_step: int) -> None:
-    """Train step by step and SIGKILL every rank right after step `kill_after_step` (whose
-    checkpoint the config makes it save): no clean shutdown, nothing flushed afterwards."""
-    import signal
-
-    trainer = Trainer(load_config(TOY_CONFIG, overrides))
-    history = []
-    while trainer.step < kill_after_step:
-        history.append(trainer.train_step())
-    if dist.get_rank() == 0:
-        torch.save({"history": history}, out_path)
-    dist.barrier()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def train_until_signal(out_path: str, overrides: list[str], signal_after_step: int,
                        signalled_rank: int) -> None:
     """Like a SLURM preemption notice: after step `signal_after_step`, SIGUSR1 reaches one rank

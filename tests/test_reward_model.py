@@ -137,7 +137,7 @@ def test_a_run_built_to_hack_its_reward_model_is_warned_of_and_stopped(tmp_path,
     run_world(1, fit, str(tmp_path / "fit.pt"), [
         f"runtime.output_dir={out}", f"reward.model_path={tmp_path / 'rm'}",
         "algorithm.use_kl_loss=true", "algorithm.kl_coef=0", "trainer.total_steps=30",
-        "trainer.eval_every=5", "trainer.save_every=0", "trainer.plots=false",
+        "trainer.eval_every=3", "trainer.save_every=0", "trainer.plots=false",
         "trainer.reward_hacking.kl_bound=1.0", "trainer.selection.metric=eval/accuracy",
         "trainer.selection.patience=3", "trainer.selection.min_delta=0.05"])
     result = torch.load(tmp_path / "fit.pt")
@@ -151,7 +151,7 @@ def test_a_run_built_to_hack_its_reward_model_is_warned_of_and_stopped(tmp_path,
     best = json.loads((out / "hf" / "best.json").read_text())
     assert best == {"metric": "eval/accuracy", "value": first["eval/accuracy"], "step": 0,
                     "higher_is_better": True}
-    assert result["stopped"] and len(result["history"]) == 15  # evaluations 5, 10, 15
+    assert result["stopped"] and len(result["history"]) == 9  # evaluations 3, 6, 9
     kept = out / "hf" / "best"
     assert (kept / "config.json").is_file() and any(kept.glob("*.safetensors"))
 

@@ -71,40 +71,29 @@ MOE_R3 = ["model.qk_norm=true", "model.moe.num_experts=4", "model.moe.ffn_hidden
 """A Qwen3-MoE-like model whose trainers replay the routes vLLM took on the rollout rank."""
 
 
-def test_synchronous_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
-    """On a Mixture-of-Experts model (its first layer dense, so the dense path runs too) with
-    r3: the routes of its responses travel with them from the rollout rank
-    (moe/routes_replayed 1.0, the trainer's routers agreeing with vLLM's)."""
-    common = ["trainer.total_steps=2", "trainer.eval_every=2", *MOE_R3]
-    colocated = run_job(tmp_path / "colocated", tokenizer_dir, 1, common)
-    split = run_job(tmp_path / "split", tokenizer_dir, 2, common + ["placement.rollout_ranks=1"])
-    assert split[1]["exit_code"] == 0
-    for expected, found in zip(colocated[0]["history"], split[0]["history"], strict=True):
-        assert comparable(found) == comparable(expected)
-    assert [entry["prompts"] for entry in split[0]["seen"]] == \
-        [entry["prompts"] for entry in colocated[0]["seen"]]
-    assert evaluations(tmp_path / "split" / "run") == evaluations(tmp_path / "colocated" / "run")
-    assert split[0]["history"][-1]["reshard/bytes_received_max"] == \
-        split[0]["history"][-1]["reshard/lower_bound_bytes"] > 0
-    for step in split[0]["history"]:
-        assert step["rollout/logprob_abs_diff_max"] <= 1e-4
-        assert step["moe/routes_replayed"] == 1.0 == step["moe/router_agreement"]
-
-
-def test_multi_turn_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
+def test_split_run_equals_a_colocated_run(tmp_path, tokenizer_dir):
     """Multi-turn episodes (up to three turns each) run whole on the rollout rank, with the same
-    seeds: the same steps and evaluations as colocated."""
+    seeds: the same steps and evaluations as colocated. On a Mixture-of-Experts model (its first
+    layer dense, so the dense path runs too) with r3: the routes of every turn travel with the
+    episode from the rollout rank (moe/routes_replayed 1.0, the trainer's routers agreeing with
+    vLLM's)."""
     from agents_rl_worker import countdown_job
 
     common = countdown_job(tmp_path) + ["actor.micro_batch_size=16", "trainer.total_steps=2",
-                                        "trainer.eval_every=2"]
+                                        "trainer.eval_every=2", *MOE_R3]
     colocated = run_job(tmp_path / "colocated", tokenizer_dir, 1, common)
     split = run_job(tmp_path / "split", tokenizer_dir, 2, common + ["placement.rollout_ranks=1"])
     assert split[1]["exit_code"] == 0
     for expected, found in zip(colocated[0]["history"], split[0]["history"], strict=True):
         assert comparable(found) == comparable(expected)
         assert found["episode/turns"] > 1
+        assert found["rollout/logprob_abs_diff_max"] <= 1e-4
+        assert found["moe/routes_replayed"] == 1.0 == found["moe/router_agreement"]
+    assert [entry["prompts"] for entry in split[0]["seen"]] == \
+        [entry["prompts"] for entry in colocated[0]["seen"]]
     assert evaluations(tmp_path / "split" / "run") == evaluations(tmp_path / "colocated" / "run")
+    assert split[0]["history"][-1]["reshard/bytes_received_max"] == \
+        split[0]["history"][-1]["reshard/lower_bound_bytes"] > 0
 
 
 @pytest.mark.parametrize("mode,world", [("continue", 2), ("abort", 3)])
