@@ -460,6 +460,16 @@ def _median_phases(records: list) -> dict:
     return phases
 
 
+def save_results(records: list, args, parameters: int) -> None:
+    """results.json after every run, so the runs that finished survive an interrupted bench
+    (`--report` prints their tables)."""
+    path = os.path.join(args.work_dir, "results.json")
+    with open(path + ".tmp", "w") as handle:
+        json.dump({"args": vars(args), "parameters": parameters, "records": records}, handle,
+                  indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -550,12 +560,10 @@ def main() -> None:
                           "load": (load_before, os.getloadavg()[0]), "result": result,
                           "summary": summarize(result, args.threshold)}
                 records.append(record)
+                save_results(records, args, parameters)
                 print(f"{name}: step {record['summary']['step_median']:.3f} s, wall "
                       f"{result['wall']:.0f} s, load {record['load'][0]:.2f}/"
                       f"{record['load'][1]:.2f}", flush=True)
-    with open(os.path.join(args.work_dir, "results.json"), "w") as handle:
-        json.dump({"args": vars(args), "parameters": parameters, "records": records}, handle,
-                  indent=1)
     print_tables(records, args, parameters)
     print(f"\ntotal {time.time() - started:.0f} s; load averages (1/5/15 min) now "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; raw results in "

@@ -37,9 +37,11 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 "$PYTHON" -m mcore_rl.launch_check --as torchrun.sh "$((NNODES * NPROC_PER_NODE))" "$NNODES" \
   "$NPROC_PER_NODE" "$@" || exit 2
 
+# --log-dir /dev/null: without a log folder torchrun makes /tmp/torchelastic_* for every launch and
+# never removes it; the ranks write no error files there (no @record), so nothing is lost.
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of flags
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --log-dir /dev/null \
   ${TORCHRUN_ARGS:-} \
   -m mcore_rl "$@"

@@ -266,7 +266,8 @@ def test_launch_dry_run_prints_both_launch_commands(tmp_path):
                               text=True, timeout=60)
     assert torchrun.returncode == 0, torchrun.stderr
     assert ("--nnodes 2 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint 10.0.0.1:15012 "
-            "--rdzv_id 12 -m mcore_rl train --config configs/grpo_toy.yaml") in torchrun.stdout
+            "--rdzv_id 12 --log-dir /dev/null -m mcore_rl train --config configs/grpo_toy.yaml"
+            ) in torchrun.stdout
 
 
 WORKER = """

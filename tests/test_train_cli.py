@@ -204,7 +204,7 @@ def test_sigterm_to_torchrun_saves_when_asked_and_leaves_nothing(tmp_path):
     """What SLURM sends at the time limit and on scancel, and what Ctrl-C becomes: torchrun
     passes SIGTERM on to the ranks, which with trainer.save_signal=SIGTERM finish the step, save
     and stop within torchrun's grace period (30 s); no process of the job, shared-memory segment
-    or rank temporary folder is left."""
+    or rank temporary folder is left, and no torchrun log folder (torchelastic_*)."""
     import glob
     import signal
     import time
@@ -212,9 +212,10 @@ def test_sigterm_to_torchrun_saves_when_asked_and_leaves_nothing(tmp_path):
 
     from mcore_rl.runtime.process_guard import TEMP_PREFIX, system_temp_dir
 
-    def named():  # shared-memory segments and the ranks' private temporary folders
-        return set(glob.glob("/dev/shm/*")) | set(glob.glob(os.path.join(system_temp_dir(),
-                                                                          f"{TEMP_PREFIX}*")))
+    def named():  # shared-memory segments, the ranks' and torchrun's temporary folders
+        return set(glob.glob("/dev/shm/*")).union(*(
+            glob.glob(os.path.join(system_temp_dir(), f"{prefix}*"))
+            for prefix in (TEMP_PREFIX, "torchelastic_")))
 
     marker, named_before = uuid.uuid4().hex, named()
     launcher = start_two_rank_job(tmp_path, 29568, "rollout.rollout_tp=2",

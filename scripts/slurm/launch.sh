@@ -115,7 +115,7 @@ else
           bash "$HERE/torchrun_node.sh" "$PYTHON"
           --nnodes "$NNODES" --nproc_per_node "$RANKS_PER_NODE"
           --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID"
-          ${TORCHRUN_ARGS:-} -m mcore_rl "$COMMAND" --config "$CONFIG" "$@")
+          --log-dir /dev/null ${TORCHRUN_ARGS:-} -m mcore_rl "$COMMAND" --config "$CONFIG" "$@")
 fi
 say() { echo "launch.sh: $(date +%T): $*"; }
 say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $NNODES node(s) x" \
