@@ -117,7 +117,8 @@ def _torchrun(world: int, arguments: list[str], log_path: str) -> float:
     with open(log_path, "w") as log:
         done = subprocess.run(
             [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-             "--master_port", str(_free_port()), "-m", "mcore_rl", *arguments],
+             "--master_port", str(_free_port()), "--log-dir", "/dev/null", "-m", "mcore_rl",
+             *arguments],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode:
         raise RuntimeError(f"mcore-rl {' '.join(arguments)} failed ({done.returncode}): see "

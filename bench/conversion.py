@@ -28,7 +28,7 @@ def run(command: list[str], ranks: int) -> tuple[float, float]:
     """(seconds, peak MB of the largest rank) as the command line reports them."""
     launcher = [sys.executable, "-m", "mcore_rl"] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-        "--master_port", "29561", "-m", "mcore_rl"]
+        "--master_port", "29561", "--log-dir", "/dev/null", "-m", "mcore_rl"]
     done = subprocess.run(launcher + command, capture_output=True, text=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     match = LINE.search(done.stdout)

@@ -73,6 +73,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from mcore_rl.runtime.files import write_text_atomically  # noqa: E402
 
 TRL_PYTHON = os.path.join(REPO, ".venv-trl", "bin", "python")
 OURS_PYTHON = os.path.join(REPO, ".venv", "bin", "python")
@@ -463,11 +464,8 @@ def _median_phases(records: list) -> dict:
 def save_results(records: list, args, parameters: int) -> None:
     """results.json after every run, so the runs that finished survive an interrupted bench
     (`--report` prints their tables)."""
-    path = os.path.join(args.work_dir, "results.json")
-    with open(path + ".tmp", "w") as handle:
-        json.dump({"args": vars(args), "parameters": parameters, "records": records}, handle,
-                  indent=1)
-    os.replace(path + ".tmp", path)
+    write_text_atomically(os.path.join(args.work_dir, "results.json"), json.dumps(
+        {"args": vars(args), "parameters": parameters, "records": records}, indent=1))
 
 
 def main() -> None:

@@ -52,7 +52,8 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$GPUS" -gt 1 ]; then
-  LAUNCH=("$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS" --master_port 29611)
+  LAUNCH=("$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS" --master_port 29611
+          --log-dir /dev/null)
   "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)' \
     && FLAGS+=(--vllm)
 else

@@ -27,6 +27,8 @@ import time
 
 import pytest
 
+from mcore_rl.runtime.files import write_text_atomically
+
 LOCK_VARIABLE = "MCORE_RL_TEST_LOCK"
 """The lock file's path, made by the controlling pytest process and read by its workers."""
 TURNSTILE, TESTS = 0, 1
@@ -92,10 +94,8 @@ def pytest_terminal_summary(terminalreporter):
                                 f"tests they waited for)")
     if terminalreporter.config.getoption("record_file_seconds"):
         ordered = sorted(seconds.items(), key=lambda item: -item[1])
-        with open(FILE_SECONDS + ".tmp", "w") as handle:
-            json.dump({path: round(total, 1) for path, total in ordered}, handle, indent=0)
-            handle.write("\n")
-        os.replace(FILE_SECONDS + ".tmp", FILE_SECONDS)
+        write_text_atomically(FILE_SECONDS, json.dumps(
+            {path: round(total, 1) for path, total in ordered}, indent=0) + "\n")
         terminalreporter.write_line(f"written to {FILE_SECONDS}")
 
 

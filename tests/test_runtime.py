@@ -174,8 +174,19 @@ def test_failing_rank_ends_torchrun_job_with_its_error(tmp_path):
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", "29533", str(script)],
+         "--master_port", "29533", "--log-dir", "/dev/null", str(script)],
         env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "rank one broke on purpose" in done.stdout + done.stderr
     assert time.perf_counter() - start < 100
+
+
+def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    from mcore_rl.runtime.files import write_text_atomically
+
+    path = tmp_path / "config.yaml"
+    write_text_atomically(path, "old: 1\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_text_atomically(path, "new: \ud800\n")  # a lone surrogate: not encodable
+    assert path.read_text() == "old: 1\n" and os.listdir(tmp_path) == ["config.yaml"]
+    assert write_text_atomically(tmp_path / "new" / "a.txt", "x") == str(tmp_path / "new" / "a.txt")

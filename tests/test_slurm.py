@@ -292,7 +292,7 @@ def test_torchrun_node_keeps_the_preemption_exit_code(cluster, tmp_path):
     runs = []
     for port in (_free_port(), _free_port()):
         runs.append(f"--nnodes 2 --nproc_per_node 1 --rdzv_backend c10d --rdzv_endpoint "
-                    f"127.0.0.1:{port} --monitor-interval 0.2 {worker}")
+                    f"127.0.0.1:{port} --monitor-interval 0.2 --log-dir /dev/null {worker}")
     script = (f"srun bash {SCRIPTS}/torchrun_node.sh {sys.executable} {runs[0]}; "
               f"echo wrapped exit $?; "
               f"srun {sys.executable} -m torch.distributed.run {runs[1]}; echo bare exit $?")

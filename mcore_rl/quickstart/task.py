@@ -11,11 +11,11 @@ response), the same a user brings.
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 
 from mcore_rl.data.toy import DIGITS, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN
+from mcore_rl.runtime.files import write_text_atomically
 
 DATA_SOURCE = "toy/max"
 VOCABULARY = (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN, "max") + DIGITS
@@ -61,9 +61,4 @@ def preference_rows(pairs: list[tuple[str, str]]) -> list[dict]:
 
 def write_jsonl(path: str, rows: list[dict]) -> str:
     """Write `rows` as JSON lines (to a temporary name, then renamed)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
-    os.replace(path + ".tmp", path)
-    return path
+    return write_text_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))

@@ -39,6 +39,7 @@ from mcore_rl.observability.timeline import Timeline
 from mcore_rl.observability.trained_prompts import TrainedPromptsLog
 from mcore_rl.roles import Scorer
 from mcore_rl.runtime import initialize, print0, shutdown
+from mcore_rl.runtime.files import write_text_atomically
 from mcore_rl.runtime.launch_env import read_launch_env
 from mcore_rl.runtime.layout import training_group, training_rank
 from mcore_rl.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
@@ -145,7 +146,7 @@ class Trainer:
         self.timeline = Timeline(config.runtime.output_dir)
         self.trained_prompts = TrainedPromptsLog(config.runtime.output_dir, self.dp_group)
         if dist.get_rank() == 0:
-            _write_atomically(os.path.join(config.runtime.output_dir, "config.yaml"),
+            write_text_atomically(os.path.join(config.runtime.output_dir, "config.yaml"),
                               to_yaml(config))
         if config.trainer.resume:
             self._resume()
@@ -337,7 +338,7 @@ class Trainer:
         self.export_hf(best + ".incoming")
         if dist.get_rank() == 0:
             _replace_folder(best + ".incoming", best)
-            _write_atomically(best + ".json",
+            write_text_atomically(best + ".json",
                               json.dumps(self.selection.summary(), indent=1) + "\n")
         dist.barrier()
         print0(f"step {self.step}: best {self.selection.config.metric} so far "
@@ -446,13 +447,6 @@ def _replace_folder(source: str, target: str) -> None:
         os.replace(target, target + ".old")
     os.replace(source, target)
     shutil.rmtree(target + ".old", ignore_errors=True)
-
-
-def _write_atomically(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as handle:
-        handle.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def is_bad_step(metrics: dict) -> bool:
