@@ -147,7 +147,7 @@ class Trainer:
         self.trained_prompts = TrainedPromptsLog(config.runtime.output_dir, self.dp_group)
         if dist.get_rank() == 0:
             write_text_atomically(os.path.join(config.runtime.output_dir, "config.yaml"),
-                              to_yaml(config))
+                                  to_yaml(config))
         if config.trainer.resume:
             self._resume()
         self.scheduler.start(self.step)
@@ -339,7 +339,7 @@ class Trainer:
         if dist.get_rank() == 0:
             _replace_folder(best + ".incoming", best)
             write_text_atomically(best + ".json",
-                              json.dumps(self.selection.summary(), indent=1) + "\n")
+                                  json.dumps(self.selection.summary(), indent=1) + "\n")
         dist.barrier()
         print0(f"step {self.step}: best {self.selection.config.metric} so far "
                f"({self.selection.best_value:.4g}): the actor is kept in {best}")

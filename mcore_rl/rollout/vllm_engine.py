@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 import uuid
 from datetime import timedelta
@@ -61,6 +60,7 @@ from mcore_rl.resharding.layouts import VLLM_EXPERT_SLOT
 from mcore_rl.runtime import cpu_compat
 from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.devices import device_memory_bytes
+from mcore_rl.runtime.files import write_text_atomically
 from mcore_rl.runtime.progress import progress, progress_enabled
 
 from .engine import (Completion, EngineError, FinishedSample, Generation, RolloutEngine,
@@ -717,14 +717,11 @@ def _consecutive_group(size: int, timeout_minutes: float):
 def write_config_folder(model: ModelConfig, architecture: Architecture, folder: str) -> str:
     """An HF config folder describing `model`, enough for vLLM to build the model with
     placeholder weights (written to a temporary file, then renamed). Returns the folder."""
-    os.makedirs(folder, exist_ok=True)
     # Without a generation_config.json vLLM derives one from config.json, where transformers
     # fills in the architecture's default eos_token_id (2 for Llama and Mistral), and stops at
     # that token too. One without EOS leaves the stop tokens to the request (the trainer always
     # passes the tokenizer's EOS in SamplingConfig.stop_token_ids).
     for name, content in (("generation_config.json", {"eos_token_id": None}),
                           ("config.json", architecture.hf_config(model))):
-        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as handle:
-            json.dump(content, handle, indent=2)
-        os.replace(handle.name, os.path.join(folder, name))
+        write_text_atomically(os.path.join(folder, name), json.dumps(content, indent=2))
     return folder

@@ -23,10 +23,10 @@ from mcore_rl.conversion.model_source import with_model_from_init
 from mcore_rl.data import load_tokenizer
 from mcore_rl.data.example_order import epoch_order, rank_rows
 from mcore_rl.observability import refuse_earlier_run
-from mcore_rl.runtime.files import write_text_atomically
 from mcore_rl.observability.step_metrics import MetricsLogger
 from mcore_rl.runtime import initialize, read_launch_env, shutdown
 from mcore_rl.runtime.devices import collective_device
+from mcore_rl.runtime.files import write_text_atomically
 from mcore_rl.runtime.layout import training_group, training_rank
 from mcore_rl.runtime.progress import progress
 
@@ -63,7 +63,6 @@ def start_dataset_job(config: JobConfig, section: str, what: str, markers: tuple
     tokenizer = load_tokenizer(config)
     logger = MetricsLogger.for_job(config)
     if dist.get_rank() == 0:
-        os.makedirs(output_dir, exist_ok=True)
         write_text_atomically(os.path.join(output_dir, "config.yaml"), to_yaml(config))
     return DatasetJob(config, runtime, tokenizer, logger)
 
