@@ -25,6 +25,7 @@ setup(
         "pyarrow",
         "math-verify",
         "reasoning-gym",
+        "cloudpickle",  # the user's script's own functions and classes reach the sandbox by value
     ],
     extras_require={
         # peft: the LoRA reference; openai-agents, langchain: agents through the endpoint

@@ -69,7 +69,7 @@ def _validated(command: str, config: JobConfig, world: int) -> JobConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mcore_rl.launch_check")
+    parser = argparse.ArgumentParser(prog="python -m mcore_rl.launch_check", allow_abbrev=False)
     parser.add_argument("--as", dest="name", default="mcore-rl", help="prefix of the message")
     for name in ("world", "nodes", "ranks_per_node"):
         parser.add_argument(name, type=int)
@@ -80,9 +80,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_intermixed_args(argv)
-    if args.command not in CHECKED_COMMANDS:
+    parser = _parser()
+    args, unknown = parser.parse_known_intermixed_args(argv)
+    if args.command not in CHECKED_COMMANDS:  # its flags are its own (convert --hf, plan ...)
         return 0
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         check_job(args.command, args.config, args.overrides, args.world, args.nodes,
                   args.ranks_per_node)

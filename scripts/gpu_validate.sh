@@ -52,8 +52,10 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$GPUS" -gt 1 ]; then
-  LAUNCH=("$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS" --master_port 29611
-          --log-dir /dev/null)
+  # The rendezvous store takes a port the system hands out: runs at once on one machine
+  # do not collide.
+  LAUNCH=("$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS" --rdzv-backend c10d
+          --rdzv-endpoint 127.0.0.1:0 --local-addr 127.0.0.1 --log-dir /dev/null)
   "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)' \
     && FLAGS+=(--vllm)
 else

@@ -3,7 +3,8 @@
 #
 #   scripts/torchrun.sh smoke --config configs/smoke.yaml [key=value ...]
 #
-# One node (defaults) or many (run the same command on every node with NODE_RANK set):
+# One node (defaults; any number of jobs at once on one machine: each takes a free port) or many
+# (run the same command on every node with NODE_RANK set):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 NPROC_PER_NODE=8 scripts/torchrun.sh ...
 #
 # Environment (all optional):
@@ -11,14 +12,15 @@
 #   NNODES          nodes in the job (default 1)
 #   NODE_RANK       this node's index (default 0)
 #   MASTER_ADDR     host of node 0 (default 127.0.0.1)
-#   MASTER_PORT     rendezvous port on node 0 (default 29500)
+#   MASTER_PORT     rendezvous port on node 0 (default: one node: a free port the system picks;
+#                   several nodes: 29500)
 #   OMP_NUM_THREADS threads per rank (default 1: more oversubscribes small CPU machines)
 #   PYTHON          interpreter (default python3)
 #   TORCHRUN_ARGS   extra torchrun flags, e.g. "--max-restarts 3"
 set -euo pipefail
 
 if [ "$#" -eq 0 ]; then
-  sed -n '2,17p' "$0" >&2
+  sed -n '2,19p' "$0" >&2
   exit 2
 fi
 
@@ -29,7 +31,16 @@ fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
+if [ "$NNODES" -eq 1 ] && [ -z "${MASTER_PORT:-}" ]; then
+  # One node and no port given: torchrun's rendezvous store binds port 0, so the system hands
+  # it a free one (no window in which another job could take it) and the ranks get it as
+  # MASTER_PORT. A fixed default would make a second job on this machine fail (EADDRINUSE).
+  RENDEZVOUS=(--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:0" --local-addr "$MASTER_ADDR")
+else
+  # Several nodes: every node must name the same port on node 0.
+  MASTER_PORT=${MASTER_PORT:-29500}
+  RENDEZVOUS=(--node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
@@ -41,7 +52,6 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # never removes it; the ranks write no error files there (no @record), so nothing is lost.
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of flags
 exec "$PYTHON" -m torch.distributed.run \
-  --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --log-dir /dev/null \
+  --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${RENDEZVOUS[@]}" --log-dir /dev/null \
   ${TORCHRUN_ARGS:-} \
   -m mcore_rl "$@"

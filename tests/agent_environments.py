@@ -61,6 +61,14 @@ class Broken(Environment):
         raise RuntimeError("no table today")
 
 
+class TableFromFile(Environment):
+    """Reads its table from the file the row names (a dataset an environment opens)."""
+
+    def reset(self, row):
+        with open(row["extra_info"]["table_file"]) as handle:
+            self.table = json.load(handle)
+
+
 class Countdown(Environment):
     """Answers every model turn with the turns left until the third, whatever the model wrote:
     multi-turn episodes even from a random model."""

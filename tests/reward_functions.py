@@ -118,3 +118,18 @@ def forges_its_reply(data_source, solution_str, ground_truth, extra_info):
         if not connection.closed:
             connection.send_bytes(forged)
     return 1.0
+
+
+def reads_a_file(data_source, solution_str, ground_truth, extra_info):
+    with open(extra_info["path"]) as handle:
+        return float(handle.read())
+
+
+def reads_a_variable(data_source, solution_str, ground_truth, extra_info):
+    return float(os.environ["MCORE_RL_TEST_JUDGE_KEY"])
+
+
+def allocates(data_source, solution_str, ground_truth, extra_info):
+    """Writes a buffer of extra_info["megabytes"] (a large library's import, in effect)."""
+    buffer = bytearray(extra_info["megabytes"] << 20)
+    return float(len(buffer) > 0)

@@ -6,6 +6,7 @@ loopback."""
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -368,14 +369,39 @@ def test_python_tool_code_sees_no_episode_state_and_no_secrets(sandbox, monkeypa
 
 
 def test_sessions_see_only_the_allowed_environment(monkeypatch):
-    """A rank's credentials do not reach sessions; variables a job allows do."""
+    """A rank's credentials do not reach sessions; variables a job allows do, and the library
+    path a cluster's Python may need to start (an Lmod module's LD_LIBRARY_PATH)."""
     monkeypatch.setenv("WANDB_API_KEY", "token-4711")
     monkeypatch.setenv("SIMULATED_USER_KEY", "allowed-4711")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/lmod/python-3.11/lib")
     sandbox = Sandbox(SandboxLimits(environment=("SIMULATED_USER_KEY",)), name="environ")
     try:
         opened(sandbox, "s")
         seen = [call(sandbox, "s", ("variable", name)).value
-                for name in ("WANDB_API_KEY", "SIMULATED_USER_KEY", "PATH")]
+                for name in ("WANDB_API_KEY", "SIMULATED_USER_KEY", "PATH", "LD_LIBRARY_PATH")]
     finally:
         sandbox.shutdown()
-    assert seen == [None, "allowed-4711", os.environ["PATH"]]
+    assert seen == [None, "allowed-4711", os.environ["PATH"], "/opt/lmod/python-3.11/lib"]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="the sessions of a non-root rank run as its user")
+def test_user_code_nobody_cannot_reach_keeps_the_sessions_root_and_says_so(tmp_path, caplog):
+    """Under root, sessions run as nobody, unless a folder of the user's code or `readable`
+    is closed to nobody (pytest's folders are: /tmp/pytest-of-root is root's alone); then they
+    run as root, said once, and read it."""
+    (tmp_path / "table.txt").write_text("7")
+    opened_to_all = Sandbox(LIMITS, name="as-nobody")
+    closed = Sandbox(dataclasses.replace(LIMITS, readable=(str(tmp_path),)), name="as-root")
+    try:
+        assert opened_to_all.mechanisms()["user"] == "nobody"
+        with caplog.at_level(logging.WARNING, logger="mcore_rl.sandbox"):
+            mechanisms = closed.mechanisms()
+        assert (mechanisms["user"], mechanisms["processes"]) == ("root", "none")
+        assert "the as-root sandbox: its sessions run as root" in caplog.text
+        stop = [folder for folder in tmp_path.parents if folder.stat().st_mode & 0o7 == 0][-1]
+        assert f"{tmp_path}: {stop} (mode 700, owner uid 0)" in caplog.text
+        opened(closed, "s")
+        assert call(closed, "s", ("read", str(tmp_path / "table.txt"))).value == "7"
+    finally:
+        opened_to_all.shutdown()
+        closed.shutdown()

@@ -11,6 +11,7 @@ over the whole conversation and its assistant-token mask; vLLM's own sampling is
 the trainer in tests/test_agents_rl.py.
 """
 
+import dataclasses
 import json
 import os
 
@@ -104,11 +105,12 @@ class ScriptedEngine(RolloutEngine):
     update_weights = sleep = wake = generate
 
 
-def runner_for(tokenizer, config: MultiTurnConfig = MultiTurnConfig(environment=ENVIRONMENT)):
+def runner_for(tokenizer, config: MultiTurnConfig = MultiTurnConfig(environment=ENVIRONMENT),
+               probe_record=None):
     spec = EpisodeSpec(config.environment, tuple(config.tools), config.tool_parser, 5.0, 512)
     schemas = tool_schemas(environment_class(spec.environment), function_tools(spec.tools))
     chat = ChatFormat(tokenizer, schemas, dict(config.template_kwargs))
-    return EpisodeRunner.build(config, chat, spec)
+    return EpisodeRunner.build(config, chat, spec, probe_record)
 
 
 def sampled_turns(tokenizer, chat: ChatFormat, character_turn: int | None = None):
@@ -340,6 +342,20 @@ def test_a_bad_environment_is_refused_before_any_rollout(smollm2, environment, m
         runner_for(smollm2, MultiTurnConfig(environment=environment)).close()
 
 
+def test_an_environment_the_sandbox_keeps_from_its_file_is_stopped_at_start(smollm2, tmp_path):
+    """The environment resets on a real row before any rollout: one whose table file the
+    sandbox may not read stops the job, naming the row and the setting; allowed, it starts."""
+    (tmp_path / "table.json").write_text('{"a": "7"}')
+    probe = PromptRecord(3, "What is under a?", "toy/copy", "7",
+                         {"table_file": str(tmp_path / "table.json")})
+    config = MultiTurnConfig(environment="agent_environments:TableFromFile")
+    with pytest.raises(ValueError, match=r"could not be reset on row 3 \(data_source 'toy/copy'"
+                       r"\): PermissionError: .*rollout\.multi_turn\.sandbox\.readable"):
+        runner_for(smollm2, config, probe).close()
+    sandbox = dataclasses.replace(config.sandbox, readable=(str(tmp_path),))
+    runner_for(smollm2, dataclasses.replace(config, sandbox=sandbox), probe).close()
+
+
 HERMES_CASES = ["Let me check.\n" + call("lookup", key="a"),
                 call("lookup", key="b") + "\n" + '<tool_call>{"name":"lookup","arguments":'
                 '{"key":"c"}}</tool_call>',
@@ -391,7 +407,7 @@ def test_trainer_takes_an_environment_class_that_its_processes_can_import():
     class Local(Lookup):
         pass
 
-    with pytest.raises(ValueError, match="Local must be importable from a module"):
+    with pytest.raises(ValueError, match="Local is defined inside a function: .* top level"):
         with_environment(config, Local)
 
 

@@ -400,3 +400,21 @@ def test_fewer_validation_prompts_than_data_parallel_ranks_are_refused(tmp_path)
     with pytest.raises(DataError, match=r"data\.toy\.val_size.* has 1 prompts for 2 "
                                         r"data-parallel ranks"):
         load_training_data(config, 0, 2)
+
+
+def test_too_few_validation_prompts_are_accepted_when_nothing_evaluates(tmp_path):
+    """trainer.eval_every=0 never evaluates: one validation prompt for two data-parallel ranks
+    is no reason to refuse the job (issue 62); evaluating it by hand is still refused, on every
+    rank alike, before any rank waits for another."""
+    from mcore_rl.config import load_config
+    from mcore_rl.rl.data import load_training_data
+    from mcore_rl.rl.evaluator import RLEvaluator
+
+    tokenizer = write_toy_tokenizer(str(tmp_path))
+    config = load_config("configs/grpo_toy.yaml", [f"data.tokenizer={tokenizer}",
+                                                   "data.toy.val_size=1", "trainer.eval_every=0"])
+    data = load_training_data(config, 1, 2)
+    assert len(data.validation) == 1 and data.validation_shard() == ([], [])
+    evaluator = RLEvaluator(config, data, responses=None, roles=None, dp_group=None)
+    with pytest.raises(DataError, match="has 1 prompts for 2 data-parallel ranks"):
+        evaluator.evaluate(trainer=None, step=0)  # Trainer.evaluate() called by hand

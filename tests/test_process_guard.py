@@ -197,3 +197,82 @@ def test_private_folders_are_not_nested():
     assert process_guard._outside_private_folders(inner) == "/tmp"
     assert process_guard._outside_private_folders(outer) == "/tmp"
     assert process_guard._outside_private_folders("/scratch/job7") == "/scratch/job7"
+
+
+def test_launcher_gone_only_on_evidence():
+    """A rank's ancestors, parent first, up to PID 1: it exits only when none of them is a
+    launcher, by its command or by running torch (issue 62: it used to exit in silence under
+    any parent but torchrun, and under torchrun as PID 1)."""
+    from mcore_rl.runtime.process_guard import Ancestor, launcher_gone
+
+    def process(pid, command, runs_torch=False):
+        return Ancestor(pid, tuple(command.split()), runs_torch)
+
+    init, shell = process(1, "/sbin/init"), process(40, "-bash")
+    torchrun = process(50, "/venv/bin/python /venv/bin/torchrun --nproc_per_node 8 x.py")
+    supervised = {
+        "torchrun": [torchrun, shell, init],
+        "torchrun's script": [process(50, "/venv/bin/torchrun --standalone x.py"), init],
+        "python -m torch.distributed.run": [
+            process(50, "python3 -m torch.distributed.run -m mcore_rl train"), init],
+        "a wrapper": [process(60, "bash wrapper.sh"), torchrun, shell, init],
+        "nsys under torchrun": [process(60, "nsys profile python -m mcore_rl"), torchrun, init],
+        "accelerate launch": [process(50, "/venv/bin/python /venv/bin/accelerate launch a.py"),
+                              shell, init],
+        "another launcher running torch": [process(50, "python my_launcher.py", True), init],
+        "torchrun as a container's PID 1": [process(1, "torchrun --nproc_per_node 8 x.py")],
+        "nothing readable": [],
+    }
+    for name, ancestors in supervised.items():
+        assert not launcher_gone(ancestors), name
+    orphaned = {
+        "adopted by init": [init],
+        "adopted by a subreaper": [process(900, "/lib/systemd/systemd --user"), init],
+        "a wrapper adopted by init": [process(60, "bash wrapper.sh"), init],
+        "a container's shell as PID 1": [Ancestor(1, ("/bin/sh", "-c", "torchrun x.py"),
+                                                  False)],
+        "a folder named after torchrun": [process(60, "bash /home/me/torchrun_jobs/run.sh"),
+                                          init],
+    }
+    for name, ancestors in orphaned.items():
+        assert launcher_gone(ancestors), name
+
+
+def test_a_rank_under_a_wrapper_runs_and_an_orphan_says_why_it_exits(tmp_path):
+    """`torchrun --no-python bash wrapper.sh`: the rank's parent is bash, torchrun above it; the
+    launcher check lets it run. A rank whose launcher is gone (adopted by init or a subreaper)
+    exits with one line naming what it expected and found."""
+    import subprocess
+    import sys
+
+    check = ("from mcore_rl.runtime.process_guard import exit_with_launcher; "
+             "print('guarded' if exit_with_launcher() else 'unguarded', flush=True)")
+    wrapper = tmp_path / "wrapper.sh"
+    wrapper.write_text(f'"{sys.executable}" -c "{check}"\necho "wrapper done"\n')
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--log-dir", "/dev/null",
+         "--no-python", "bash", str(wrapper)],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "guarded\nwrapper done" in done.stdout, done.stdout + done.stderr[-2000:]
+
+    # An orphan: its parent (a subshell, whose pid it is given) exits once it has started it;
+    # it waits until it has been adopted before it checks.
+    orphan = ("import os, sys, time\n"
+              "while os.getppid() == int(sys.argv[1]):\n"
+              "    time.sleep(0.01)\n"
+              f"{check.replace('; ', chr(10))}\n")
+    (tmp_path / "orphan.py").write_text(orphan)
+    subprocess.run(["bash", "-c", f'("{sys.executable}" orphan.py $BASHPID >out.txt 2>err.txt &)'],
+                   cwd=tmp_path, env=dict(env, TORCHELASTIC_RUN_ID="test"), check=True,
+                   timeout=60)
+    deadline = time.monotonic() + 60
+    while "exiting" not in (tmp_path / "err.txt").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    error = (tmp_path / "err.txt").read_text()
+    assert error.startswith("mcore_rl: error: this rank (pid ") and error.count("\n") == 1, error
+    assert "expected torchrun" in error and "found pid " in error, error
+    assert (tmp_path / "out.txt").read_text() == ""

@@ -3,6 +3,7 @@ copy task, the format reward formula, the worker sandbox (raising, hanging, spin
 functions give 0 and a logged error while the pool keeps going), and start-up errors (unknown
 data sources, dotted paths that do not import)."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -221,7 +223,8 @@ def test_a_hung_function_times_out_and_its_worker_is_replaced(sandbox, caplog, d
                             + [request("toy/copy", "7 3", 7, sample_id=f"good{i}")
                                for i in range(6)])
     elapsed = time.monotonic() - start
-    assert results[0] == RewardResult(0.0, f"timeout after {TIMEOUT} s", {})
+    assert results[0] == RewardResult(
+        0.0, f"timeout after {TIMEOUT} s (reward.timeout_seconds bounds each call)", {})
     assert [result.score for result in results[1:]] == [0.5] * 6  # the other worker went on
     assert TIMEOUT <= elapsed < TIMEOUT + 5
     assert len(errors_logged_for(caplog, "hung/sample")) == 1
@@ -236,7 +239,8 @@ def test_two_hung_functions_at_once_leave_a_working_pool(sandbox):
     results = sandbox.score([request("test/sleeps", "x"), request("test/spins", "y"),
                              request("toy/copy", "7", 7)])
     assert [result.score for result in results] == [0.0, 0.0, 1.0]
-    assert [result.error for result in results[:2]] == [f"timeout after {TIMEOUT} s"] * 2
+    assert [result.error for result in results[:2]] == [
+        f"timeout after {TIMEOUT} s (reward.timeout_seconds bounds each call)"] * 2
     assert sandbox.live_workers() == 2
 
 
@@ -445,15 +449,67 @@ def test_dotted_paths_that_do_not_load_fail_at_construction(functions, default, 
 
 
 def test_user_reward_fn_scores_every_data_source_and_must_be_picklable():
+    """A module's function goes by name, a closure by value (cloudpickle, as the script's own
+    functions: tests/test_user_code.py); one holding what cannot be pickled is refused at
+    construction, naming it."""
     with RuleRewards(RewardConfig(num_workers=1), reward_fn=reward_functions.returns_details) \
             as rewards:
         rewards.check_data_sources({"never/heard/of"})
         (result,) = rewards.score([request("never/heard/of", "x")])
         assert result.score == 0.25 and result.details["pid"] != os.getpid()
-    with pytest.raises(ValueError, match="module-level function"):
-        RuleRewards(RewardConfig(num_workers=1), reward_fn=lambda *args: 1.0)
-    inline = RuleRewards(RewardConfig(num_workers=0), reward_fn=lambda *args: 1.0)
-    assert inline.score([request("x", "y")])[0].score == 1.0
+    weight = 0.75
+    with RuleRewards(RewardConfig(num_workers=1), reward_fn=lambda *args: weight) as rewards:
+        assert rewards.score([request("x", "y")])[0] == RewardResult(0.75)
+    lock = threading.Lock()
+    with pytest.raises(ValueError, match="reward_fn .*<lambda>.* cannot be sent .*lock"):
+        RuleRewards(RewardConfig(num_workers=1), reward_fn=lambda *args: lock.locked())
+    inline = RuleRewards(RewardConfig(num_workers=0), reward_fn=lambda *args: lock.locked())
+    assert inline.score([request("x", "y")])[0].score == 0.0
+
+
+PROBE_CASES = {  # the function, the reward.* field that allows it, its allowing value
+    "a file": ("reward_functions:reads_a_file", "readable", lambda folder: (folder,)),
+    "a variable": ("reward_functions:reads_a_variable", "environment",
+                   lambda folder: ("MCORE_RL_TEST_JUDGE_KEY",)),
+    "memory": ("reward_functions:allocates", "memory_mb", lambda folder: 4096),
+}
+
+
+@pytest.mark.parametrize("case", PROBE_CASES)
+def test_the_probe_stops_what_the_sandbox_refuses_and_names_the_setting(case, tmp_path,
+                                                                        monkeypatch):
+    """A function that reads a file, a variable of the rank's or more memory than the sandbox
+    gives fails its probe on a real row, the error naming the reward.* setting; given the
+    setting, the same probe passes."""
+    function, field, allowing = PROBE_CASES[case]
+    (tmp_path / "answer.txt").write_text("0.5")
+    monkeypatch.setenv("MCORE_RL_TEST_JUDGE_KEY", "0.5")
+    row = request("probe", "7", "7", {"path": str(tmp_path / "answer.txt"), "megabytes": 1024},
+                  sample_id="row 3")
+    refused = RewardConfig(num_workers=1, memory_mb=768, functions={"probe": function})
+    with RuleRewards(refused) as rewards:
+        with pytest.raises(ValueError, match=rf"row 3 \(data_source 'probe'\): .*reward\.{field}"):
+            rewards.probe([row])
+    with RuleRewards(dataclasses.replace(refused, **{field: allowing(str(tmp_path))})) as rewards:
+        rewards.probe([row])
+
+
+OUTSIDE_THE_REPOSITORY = """
+from mcore_rl.config.reward import RewardConfig
+from mcore_rl.rewards import RewardRequest, RuleRewards
+with RuleRewards(RewardConfig(num_workers=1)) as rewards:
+    print(rewards.score([RewardRequest("s", "toy/copy", "7 7", "7", {})])[0])
+"""
+
+
+def test_the_packages_own_rewards_score_from_outside_the_repository(tmp_path):
+    """From a folder outside the repository, with the package installed editable (not on
+    sys.path): its built-in functions load in the sandbox."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", OUTSIDE_THE_REPOSITORY], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "RewardResult(score=1.0, error=None, details={}, correct=None)", \
+        done.stdout + done.stderr[-3000:]
 
 
 # ---- config ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from mcore_rl.rl.api import make_trainer_config
 from mcore_rl.rl.experience import (Rollout, group_variation, make_experience, mini_batches,
                                          overlong_penalty, select_groups, varied_groups)
 from mcore_rl.observability.step_metrics import SumsAndCounts
-from mcore_rl.rl.trainer import is_bad_step
+from mcore_rl.rl.step_guards import RewardsFailed, StepGuards, is_bad_step
 from world import run_world
 
 
@@ -108,6 +108,70 @@ def test_sums_and_counts_without_a_group():
     stats.add_max("m", torch.tensor([]))
     stats.add_max("m", torch.tensor([2.0, -1.0]))
     assert stats.means() == {"a": pytest.approx(8 / 3), "m": 2.0}
+
+
+def test_a_maximum_over_no_values_on_any_rank_is_nan(monkeypatch):
+    """add_max over data-parallel ranks: a rank with values wins over ranks with none, and a
+    maximum no rank has a value for reduces to NaN, not to -inf or a number (issue 62). Two
+    ranks' reductions, with the all-reduce played in this process."""
+    from mcore_rl.observability import step_metrics
+
+    ranks = [SumsAndCounts(), SumsAndCounts()]
+    ranks[0].add_max("gap", torch.tensor([]))
+    ranks[1].add_max("gap", torch.tensor([0.5, 0.25]))
+    for stats in ranks:
+        stats.add_max("none", torch.tensor([]))
+        stats.add("mean", torch.tensor([1.0]))
+    sent = []  # rank 1's tensors, in the order it all-reduces them
+
+    def all_reduce(tensor, op=None, group=None):  # rank 1 first: it keeps its own values
+        if len(sent) < 2:
+            sent.append(tensor.clone())
+        elif op == step_metrics.dist.ReduceOp.MAX:  # then rank 0: both ranks' result
+            tensor.copy_(torch.maximum(tensor, sent[1]))
+        else:
+            tensor.add_(sent[0])
+
+    monkeypatch.setattr(step_metrics.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(step_metrics.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(step_metrics, "collective_device", lambda group: torch.device("cpu"))
+    ranks[1].reduce()
+    found = ranks[0].reduce()
+    assert found["gap"] == 0.5 and found["mean"] == 1.0
+    assert math.isnan(found["none"])
+    assert math.isnan(ranks[0].means()["gap"]) and ranks[1].means()["gap"] == 0.5
+
+
+def test_on_policy_gap_is_nan_when_the_trained_version_sampled_no_token(tmp_path):
+    """rollout/on_policy_logprob_abs_diff_max over no tokens of the trained version: NaN (it
+    used to be 0.0, which reads as a perfect engine/trainer match), and the NaN reaches the
+    run's JSONL file and TensorBoard as NaN."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mcore_rl.observability.run_files import read_jsonl
+    from mcore_rl.observability.step_metrics import MetricsLogger
+    from mcore_rl.rl.step_statistics import token_staleness
+
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    batch = {"input_ids": torch.zeros(1, 3), "old_logprobs": old,
+             "engine_logprobs": torch.log(torch.tensor([[0.5, 0.5, 0.25]])),
+             "response_mask": torch.tensor([[0, 1, 1]])}
+    rollout = Rollout([], [], Generation([Completion(0, 0, [1, 2], [0.0, 0.0], "stop")],
+                                         [[7]]), [], version=3)
+    stats = SumsAndCounts()
+    token_staleness(batch, rollout, 4, stats)  # version 3 sampled every token, 4 is trained
+    found = stats.reduce()
+    assert found["rollout/stale_token_fraction"] == 1.0
+    assert math.isnan(found["rollout/on_policy_logprob_abs_diff_max"])
+    logger = MetricsLogger(str(tmp_path), tensorboard=True)
+    logger.log(1, found)
+    logger.close()
+    row, = read_jsonl(tmp_path / "metrics.jsonl")
+    assert math.isnan(row["rollout/on_policy_logprob_abs_diff_max"])
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalar, = events.Scalars("rollout/on_policy_logprob_abs_diff_max")
+    assert math.isnan(scalar.value)
 
 
 def test_prefix_cache_hit_rate_is_cached_over_all_prompt_tokens_of_the_batch():
@@ -231,12 +295,29 @@ def test_off_policy_statistics_report_staleness_and_weights():
     assert found["rollout/is_weight_mean"] == pytest.approx((1 + 1 + 1.25) / 3)
     assert found["rollout/is_weight_max"] == pytest.approx(1.25)
 
+
 def test_bad_steps():
     good = {"training/update_skipped": 0.0, "actor/loss": 0.1, "actor/grad_norm": 1.0,
             "critic/explained_variance": float("nan")}
     assert not is_bad_step(good)
     assert is_bad_step(dict(good, **{"actor/grad_norm": float("inf")}))
     assert is_bad_step(dict(good, **{"training/update_skipped": 1.0}))
+
+
+def test_steps_whose_every_reward_failed_stop_the_run():
+    """reward.max_failed_steps consecutive steps at reward/error_fraction 1.0 stop the run (a
+    step with one reward stops the count); 0 never stops."""
+    step = {"training/update_skipped": 0.0, "actor/loss": 0.1, "actor/grad_norm": 0.0}
+    failed, partly = dict(step, **{"reward/error_fraction": 1.0}), \
+        dict(step, **{"reward/error_fraction": 0.9})
+    guards = StepGuards(max_bad_steps=3, max_failed_reward_steps=2, checkpoint_dir="ckpt")
+    for number, metrics in enumerate([failed, partly, failed], start=1):
+        guards.check(number, metrics)
+    with pytest.raises(RewardsFailed, match=r"2 consecutive steps \(reward.max_failed_steps=2\)"):
+        guards.check(4, failed)
+    never = StepGuards(max_bad_steps=3, max_failed_reward_steps=0, checkpoint_dir="ckpt")
+    for number in range(1, 5):
+        never.check(number, failed)
 
 
 def test_rl_config_rules_name_the_fields():

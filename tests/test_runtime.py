@@ -1,5 +1,6 @@
 """Start-up from launcher variables, the CPU compatibility layer, and failure without hangs."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -53,6 +54,59 @@ def test_a_single_process_job_does_not_need_port_29500():
                               timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert read_launch_env({"MASTER_PORT": "1234"}).master_port == 1234
+
+
+def test_two_single_node_jobs_launch_at_once_on_one_machine():
+    """scripts/torchrun.sh on one node without MASTER_PORT: each job's rendezvous takes a port
+    the system hands out, so two jobs started together both run, while another job holds
+    torch's default port 29500 (issue 62: the second job died with EADDRINUSE)."""
+    import socket
+
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("MASTER_PORT", "MASTER_ADDR", "NNODES", "NODE_RANK")}
+    env.update(PYTHON=sys.executable, NPROC_PER_NODE="1", OMP_NUM_THREADS="1")
+    plan = ["plan", "--model", "configs/models/llama2-7b.yaml", "--train-tp", "1",
+            "--rollout-tp", "1", "--gpus", "1"]
+    with socket.socket() as other_job:
+        other_job.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with contextlib.suppress(OSError):  # held already: as good
+            other_job.bind(("127.0.0.1", 29500))
+            other_job.listen()
+        jobs = [subprocess.Popen([os.path.join(REPO, "scripts", "torchrun.sh"), *plan], cwd=REPO,
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, start_new_session=True) for _ in range(2)]
+        outputs = [job.communicate(timeout=180) for job in jobs]
+    for job, (out, err) in zip(jobs, outputs):
+        assert job.returncode == 0, err[-2000:]
+        assert "| 1 | 1x1x1 | 1x1 |" in out, out[-2000:]
+
+
+def test_torchrun_sh_keeps_the_given_port_and_the_multi_node_rendezvous(tmp_path):
+    """The torchrun command scripts/torchrun.sh runs (read off a PYTHON that prints it): one
+    node takes a free port unless MASTER_PORT is given; several nodes keep MASTER_ADDR,
+    MASTER_PORT (default 29500) and NODE_RANK as before."""
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\ncase "$2" in\n  mcore_rl.launch_check) exit 0 ;;\n'
+                      '  torch.distributed.run) shift 2; echo "$@" ;;\nesac\n')
+    python.chmod(0o755)
+
+    def command(**variables):
+        env = {key: value for key, value in os.environ.items()
+               if key not in ("MASTER_PORT", "MASTER_ADDR", "NNODES", "NODE_RANK")}
+        done = subprocess.run([os.path.join(REPO, "scripts", "torchrun.sh"), "train"],
+                              env=dict(env, PYTHON=str(python), NPROC_PER_NODE="2", **variables),
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split(" -m mcore_rl ")[0].split()
+
+    assert command() == ["--nnodes", "1", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+                         "--rdzv-endpoint", "127.0.0.1:0", "--local-addr", "127.0.0.1",
+                         "--log-dir", "/dev/null"]
+    assert "--master_port 1234" in " ".join(command(MASTER_PORT="1234"))
+    assert command(NNODES="2", NODE_RANK="1", MASTER_ADDR="node0") == [
+        "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", "1", "--master_addr", "node0",
+        "--master_port", "29500", "--log-dir", "/dev/null"]
+
 
 def test_gpu_is_chosen_from_the_visible_ones():
     """SLURM's --gpus-per-task=1 leaves each task one visible GPU, numbered 0 whatever its

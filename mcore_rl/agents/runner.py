@@ -24,6 +24,7 @@ from mcore_rl.rollout import Completion, Generation, RolloutEngine, SampleReques
 from .chat import ChatFormat, TemplateMismatch
 from .episode import Episode
 from ..sandbox import Reply, Sandbox, SandboxLimits
+from ..sandbox.errors import setting_hint
 from .session import EpisodeSpec
 
 SESSION = "mcore_rl.agents.session:EpisodeSession"
@@ -43,11 +44,13 @@ class EpisodeRunner:
         self._calls = 0
 
     @classmethod
-    def build(cls, config: MultiTurnConfig, chat: ChatFormat, spec: EpisodeSpec
-              ) -> "EpisodeRunner":
+    def build(cls, config: MultiTurnConfig, chat: ChatFormat, spec: EpisodeSpec,
+              probe_record=None) -> "EpisodeRunner":
         """A runner with its sandbox, after checking that the environment can be made there
-        (a broken environment class fails here, before any rollout), and, with
-        template_mismatch=error, that the chat template keeps a probe conversation."""
+        and reset on `probe_record` (a real row; a broken environment class, or one the
+        sandbox keeps from its files, variables or memory, fails here, before any rollout),
+        and, with template_mismatch=error, that the chat template keeps a probe
+        conversation."""
         if config.template_mismatch == "error":
             chat.check_prefix_preserving()
         limits = config.sandbox
@@ -55,10 +58,10 @@ class EpisodeRunner:
             timeout_seconds=limits.timeout_seconds, memory_mb=limits.memory_mb,
             cpu_seconds=limits.cpu_seconds, max_processes=limits.max_processes,
             network=limits.network, environment=tuple(limits.environment),
-            readable=tuple(limits.readable)),
-            name="environments", preload=spec.modules())
+            readable=tuple(limits.readable), code_data=False),
+            name="environments", preload=spec.modules(), main_objects=spec.main_objects())
         runner = cls(config, chat, spec, sandbox)
-        runner._check_environment()
+        runner._check_environment(probe_record)
         return runner
 
     def run(self, engine: RolloutEngine, records: list, sampling: SamplingConfig,
@@ -193,15 +196,23 @@ class EpisodeRunner:
         episode.flags["observations_truncated"] += cut
         return message
 
-    def _check_environment(self) -> None:
+    def _check_environment(self, record) -> None:
+        """Make the environment in a session and reset it on `record` (when given); ValueError
+        naming the row, the error and the sandbox setting that would allow it."""
         self.sandbox.open("check", SESSION, self.spec)
+        if record is not None:
+            self.sandbox.send("check", ("reset", episode_row(record)))
         replies = []
-        while not replies:
-            replies = self.sandbox.poll(self.config.sandbox.timeout_seconds)
+        while len(replies) < 1 + (record is not None) and not any(r.ended for r in replies):
+            replies += self.sandbox.poll(self.config.sandbox.timeout_seconds)
         self.sandbox.close("check")
-        if not replies[0].ok:
+        failed = next((reply for reply in replies if not reply.ok), None)
+        if failed is not None:
+            where = "made in its sandbox" if failed is replies[0] else \
+                f"reset on row {record.index} (data_source {record.data_source!r})"
+            hint = setting_hint(failed.error, "rollout.multi_turn.sandbox")
             raise ValueError(f"rollout.multi_turn.environment={self.spec.environment!r} could "
-                             f"not be made in its sandbox: {replies[0].error}")
+                             f"not be {where}: {failed.error}" + (f" ({hint})" if hint else ""))
 
 
 def episode_row(record) -> dict:

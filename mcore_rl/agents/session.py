@@ -40,6 +40,12 @@ class EpisodeSpec:
         return (__name__, *dict.fromkeys(reference.partition(":")[0]
                                          for reference in references if ":" in reference))
 
+    def main_objects(self) -> tuple:
+        """What it names from the main module (the user's script): sent by value."""
+        references = (self.environment, *self.tools, self.tool_parser)
+        return tuple(resolve(reference, "rollout.multi_turn") for reference in references
+                     if reference.startswith("__main__:"))
+
 
 def environment_class(reference: str) -> type:
     """The Environment subclass `reference` names (the base class for none)."""

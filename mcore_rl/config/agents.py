@@ -38,13 +38,15 @@ class ToolSandboxConfig:
 
     environment: tuple[str, ...] = ()
     """Names of the rank's environment variables that environments and tools see (an API key
-    a simulated user needs); besides PATH, LANG, LC_ALL, TZ and OMP_NUM_THREADS they see none
-    (the rank's holds W&B, HF and cloud credentials)."""
+    a simulated user needs); besides PATH, LANG, LC_ALL, TZ, OMP_NUM_THREADS and
+    LD_LIBRARY_PATH they see none (the rank's holds W&B, HF and cloud credentials)."""
 
     readable: tuple[str, ...] = ()
     """Folders and files environments and tools may read besides the system's folders, the
-    Python installation and the code on the import path (a dataset an environment opens);
-    nothing else (home, checkpoints, other episodes' folders) is readable."""
+    Python installation and the code of the user's folders (their modules and packages, not
+    the data beside them: model-written code runs here too) (a dataset an environment opens,
+    a table beside its module); nothing else (home, checkpoints, other episodes' folders) is
+    readable."""
 
     def errors(self) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""

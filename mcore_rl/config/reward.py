@@ -99,8 +99,8 @@ class RewardConfig:
 
     environment: tuple[str, ...] = ()
     """Names of the rank's environment variables reward functions see (a judge's API key);
-    besides PATH, LANG, LC_ALL, TZ and OMP_NUM_THREADS they see none (the rank's holds W&B, HF
-    and cloud credentials)."""
+    besides PATH, LANG, LC_ALL, TZ, OMP_NUM_THREADS and LD_LIBRARY_PATH they see none (the
+    rank's holds W&B, HF and cloud credentials)."""
 
     readable: tuple[str, ...] = ()
     """Folders and files reward functions may read besides the system's folders, the Python
@@ -124,6 +124,12 @@ class RewardConfig:
     """Regular expression the whole response must match (re.fullmatch, DOTALL) to earn the
     format reward; the default is DeepSeek-R1's "<think>...</think> <answer>...</answer>"."""
 
+    max_failed_steps: int = 2
+    """Stop the job after this many consecutive steps in which every sample's reward was an
+    error (a function that cannot load, read its files, see its variables or reach its service
+    in the sandbox); 0: never. Before the first step each data source's function also runs
+    once on a real row, and a failure there stops the job at start."""
+
     shaping: RewardShapingConfig = field(default_factory=RewardShapingConfig)
     """The missing-EOS penalty, centring, running normalisation and clipping of the scores
     before training."""
@@ -137,6 +143,9 @@ class RewardConfig:
             errors.append(f"reward.timeout_seconds={self.timeout_seconds} must be positive")
         if self.memory_mb <= 0:
             errors.append(f"reward.memory_mb={self.memory_mb} must be positive")
+        if self.max_failed_steps < 0:
+            errors.append(f"reward.max_failed_steps={self.max_failed_steps} must be >= 0 (0: "
+                          "never stop)")
         if not self.startup_timeout_seconds > 0:
             errors.append(f"reward.startup_timeout_seconds={self.startup_timeout_seconds} "
                           "must be positive")

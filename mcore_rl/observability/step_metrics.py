@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import time
 
@@ -69,14 +70,16 @@ class SumsAndCounts:
 
     def add_max(self, name: str, values: torch.Tensor) -> None:
         """Accumulate a maximum under `name` (use -x for a minimum). The name is registered even
-        for no values, so every rank reduces the same names."""
-        largest = float(values.max()) if values.numel() else -float("inf")
-        self.maxima[name] = max(self.maxima.get(name, -float("inf")), largest)
+        for no values, so every rank reduces the same names: a rank without values holds -inf,
+        which any value of another rank beats in the reduction, and a maximum over no values
+        on any rank comes out as NaN (not a number that could be read as a measurement)."""
+        largest = float(values.max()) if values.numel() else -math.inf
+        self.maxima[name] = max(self.maxima.get(name, -math.inf), largest)
 
     def means(self) -> dict[str, float]:
         """This rank's means and maxima, without communication."""
         result = {name: total / max(count, 1) for name, (total, count) in self.sums.items()}
-        result.update(self.maxima)
+        result.update({name: _maximum(value) for name, value in self.maxima.items()})
         return result
 
     def reduce(self, group=None) -> dict[str, float]:
@@ -93,8 +96,13 @@ class SumsAndCounts:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         totals = totals.cpu().reshape(-1, 2)
         result = {name: float(totals[i, 0] / max(totals[i, 1], 1)) for i, name in enumerate(names)}
-        result.update(zip(sorted(self.maxima), maxima.cpu().tolist()))
+        result.update(zip(sorted(self.maxima), map(_maximum, maxima.cpu().tolist())))
         return result
+
+
+def _maximum(value: float) -> float:
+    """A reduced maximum: NaN for one over no values (-inf, add_max's empty mark)."""
+    return math.nan if value == -math.inf else value
 
 
 def peak_memory_metrics() -> dict[str, float]:

@@ -5,24 +5,28 @@ score batches of responses in the sandbox, log every failure with its sample id.
         rewards.check_data_sources(dataset_data_sources)       # before the first rollout
         results = rewards.score(requests)                        # list[RewardResult], in order
 
-Everything that can be wrong with the configuration (a dotted path that does not import, an
-unpicklable reward_fn, a data_source nobody scores) raises ValueError here, before any work;
-what goes wrong inside a reward call only zeroes that sample's reward.
+Everything that can be wrong with the configuration (a dotted path that does not import, a
+reward_fn that cannot be pickled, a data_source nobody scores) raises ValueError here, before
+any work; what goes wrong inside a reward call only zeroes that sample's reward (`probe` runs
+the functions once on real rows, so that what the sandbox refuses them stops a job at start).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import pickle
 from typing import Iterable, Optional, Sequence
 
 from mcore_rl.config.reward import RewardConfig
 
 from .registry import FunctionTable, load_function
 from ..sandbox import SandboxLimits
+from ..sandbox.errors import setting_hint
+from ..sandbox.user_code import pickle_by_value
 from .worker_pool import WorkerPool
 from .scoring import Scorer
 from .types import RewardFunction, RewardRequest, RewardResult
+from .unscored import UNREWARDED_EPISODE
 
 logger = logging.getLogger("mcore_rl.rewards")
 
@@ -30,8 +34,9 @@ logger = logging.getLogger("mcore_rl.rewards")
 class RuleRewards:
     """Rule-based rewards by data_source, computed in worker processes with a timeout.
 
-    `reward_fn`, when given, scores every data source (verl's compute_score signature); with
-    worker processes it must be picklable, i.e. a module-level function of an importable module.
+    `reward_fn`, when given, scores every data source (verl's compute_score signature); it
+    reaches the worker processes by cloudpickle (a function of the script, a lambda or a
+    closure by value), so what it holds must pickle.
     Not thread-safe: one score() at a time.
     """
 
@@ -71,7 +76,7 @@ class RuleRewards:
             raise RuntimeError("RuleRewards.score() after close()")
         self.check_data_sources({request.data_source for request in requests})
         if self._pool is not None:
-            results = self._pool.score(requests)
+            results = [_with_setting_hint(result) for result in self._pool.score(requests)]
         else:
             results = [self._scorer.score(request) for request in requests]
         for request, result in zip(requests, results):
@@ -79,6 +84,21 @@ class RuleRewards:
                 logger.error("reward 0 for sample %s (data_source %r): %s", request.sample_id,
                              request.data_source, result.error)
         return results
+
+    def probe(self, requests: Sequence[RewardRequest]) -> None:
+        """Score `requests` (real rows, before any rollout) and raise ValueError naming each that
+        failed, its error and the sandbox setting that would allow it: a function that cannot
+        read its files, see its variables or import within the memory limit stops the job at
+        start, not one sample at a time. Rows only an environment's get_reward scores are
+        skipped."""
+        requests = [request for request in requests if self._reward_fn is not None
+                    or self._table.path_for(request.data_source) != UNREWARDED_EPISODE]
+        failed = [f"{request.sample_id} (data_source {request.data_source!r}): {result.error}"
+                  for request, result in zip(requests, self.score(requests)) if result.error]
+        if failed:
+            raise ValueError("the reward function failed on a real row before the first step "
+                             "(each data source's function scores its first row, with the "
+                             f"row's ground truth as the response): {'; '.join(failed)}")
 
     def live_workers(self) -> int:
         """Worker processes alive now (0 when scoring inline)."""
@@ -117,11 +137,18 @@ def _worker_limits(config: RewardConfig) -> SandboxLimits:
         readable=tuple(config.readable))
 
 
+def _with_setting_hint(result: RewardResult) -> RewardResult:
+    """A failed result's error with the reward.* setting that would allow it, if one fits."""
+    if result.error is None:
+        return result
+    hint = ("reward.startup_timeout_seconds bounds it"
+            if result.error.endswith("loading the reward function")
+            else setting_hint(result.error, "reward"))
+    return dataclasses.replace(result, error=f"{result.error} ({hint})") if hint else result
+
+
 def _check_picklable(reward_fn: RewardFunction) -> None:
     try:
-        pickle.dumps(reward_fn)
-    except Exception as error:
-        raise ValueError(
-            f"reward_fn {reward_fn!r} cannot be sent to the reward worker processes "
-            f"({type(error).__name__}: {error}); pass a module-level function of an importable "
-            "module, or set reward.num_workers=0 to score inline") from error
+        pickle_by_value(reward_fn, f"reward_fn {reward_fn!r}")
+    except ValueError as error:
+        raise ValueError(f"{error}; or set reward.num_workers=0 to score inline") from error

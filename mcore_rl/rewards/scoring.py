@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import math
 import numbers
+import pickle
 from typing import Any, Optional
 
 from .formats import compile_format_pattern, format_score, mix_format_reward
 from .registry import BUILTIN_FUNCTIONS, FunctionTable, load_function, split_path
 from ..sandbox.errors import describe_exception
+from ..sandbox.user_code import pickle_by_value
 from .types import RewardFunction, RewardRequest, RewardResult
 
 
 class Scorer:
-    """Scores requests; picklable (it is sent to each worker), loaded functions are not sent."""
+    """Scores requests; picklable (it is sent to each worker): the reward_fn by value where it
+    cannot be imported (the script's, a lambda, a closure), loaded functions not at all."""
 
     def __init__(self, table: FunctionTable, reward_fn: Optional[RewardFunction] = None,
                  format_weight: float = 0.0, format_pattern: str = ""):
@@ -32,7 +35,13 @@ class Scorer:
         self._loaded: dict[str, RewardFunction] = {}
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_loaded": {}}
+        reward_fn = self.reward_fn and pickle_by_value(self.reward_fn,
+                                                       f"reward_fn {self.reward_fn!r}")
+        return {**self.__dict__, "_loaded": {}, "reward_fn": reward_fn}
+
+    def __setstate__(self, state: dict) -> None:
+        reward_fn = state["reward_fn"] and pickle.loads(state["reward_fn"])
+        self.__dict__.update(state, reward_fn=reward_fn)
 
     def user_modules(self) -> tuple[str, ...]:
         """The modules of the user's functions (reward_fn, reward.functions, the default), which
@@ -42,7 +51,7 @@ class Scorer:
                  if BUILTIN_FUNCTIONS.get(data_source) != path]
         paths += [self.table.default_function] if self.table.default_function else []
         modules = [split_path(path)[0] for path in paths]
-        if self.reward_fn is not None:
+        if getattr(self.reward_fn, "__module__", None):
             modules.append(self.reward_fn.__module__)
         return tuple(dict.fromkeys(modules))
 

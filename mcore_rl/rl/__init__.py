@@ -4,7 +4,8 @@ from mcore_rl.runtime.preemption import PREEMPTED_EXIT_CODE
 
 from .api import make_trainer_config
 from .run import run_training
-from .trainer import Experience, Trainer, TrainingDiverged
+from .step_guards import RewardsFailed, TrainingDiverged
+from .trainer import Experience, Trainer
 
-__all__ = ["PREEMPTED_EXIT_CODE", "Experience", "Trainer", "TrainingDiverged", "make_trainer_config",
-           "run_training"]
+__all__ = ["PREEMPTED_EXIT_CODE", "Experience", "RewardsFailed", "Trainer", "TrainingDiverged",
+           "make_trainer_config", "run_training"]

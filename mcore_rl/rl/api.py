@@ -22,6 +22,7 @@ from typing import Iterable, Optional
 from mcore_rl.config import InitConfig, JobConfig, ModelConfig, load_config
 from mcore_rl.conversion.model_source import with_model_from_init
 from mcore_rl.runtime.launch_env import read_launch_env
+from mcore_rl.sandbox.user_code import check_sendable
 
 ALGORITHMS = {"ppo": "gae"}
 """Short algorithm names that choose an advantage estimator (ppo: PPO with a critic and GAE);
@@ -76,13 +77,10 @@ def with_actor_model(config: JobConfig, path: str) -> JobConfig:
 
 
 def with_environment(config: JobConfig, environment: type) -> JobConfig:
-    """The config with `environment` (an mcore_rl.agents.Environment subclass, importable by
-    its module and name, as the episodes' sandboxed processes import it) as the multi-turn
-    environment."""
-    if environment.__module__ == "__main__" or "<locals>" in environment.__qualname__:
-        raise ValueError(f"environment {environment.__qualname__} must be importable from a "
-                         "module (the sandboxed episode processes import it): define it in a "
-                         "module, not in __main__ or inside a function")
+    """The config with `environment` (an mcore_rl.agents.Environment subclass defined at the
+    top level of a module or of the script: the episodes' sandboxed processes load it by its
+    module and name, the script's by value) as the multi-turn environment."""
+    check_sendable(environment, "environment")
     reference = f"{environment.__module__}:{environment.__qualname__}"
     multi_turn = dataclasses.replace(config.rollout.multi_turn, environment=reference)
     return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,

@@ -106,6 +106,7 @@ def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_score
             rewards = RuleRewards(reward_config(config), reward_fn)
             reward = RuleReward(rewards, data.tokenizer)
             rewards.check_data_sources({r.data_source for r in data.records + data.validation})
+            reward.probe(data.records + data.validation)
         except ValueError as error:
             problems.append(str(error))
     raise_on_any_rank(problems, ConfigError, "reward: ")
@@ -140,7 +141,8 @@ def _environment_runner(multi_turn, data: TrainingData) -> EpisodeRunner:
                        multi_turn.sandbox.memory_mb)
     schemas = tool_schemas(environment_class(spec.environment), function_tools(spec.tools))
     chat = ChatFormat(data.tokenizer, schemas, dict(multi_turn.template_kwargs))
-    return EpisodeRunner.build(multi_turn, chat, spec)
+    return EpisodeRunner.build(multi_turn, chat, spec,
+                               probe_record=(data.records + data.validation or [None])[0])
 
 
 def ground_truth_checked(config: JobConfig, data: TrainingData, reward_fn) -> bool:

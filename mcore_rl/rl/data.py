@@ -114,12 +114,21 @@ def load_training_data(config: JobConfig, dp_rank: int, dp_size: int) -> Trainin
     tokenizer = load_tokenizer(config)
     train = _encoded(config, "train", tokenizer)
     validation = _encoded(config, "val", tokenizer)
-    if 0 < len(validation.records) < dp_size:
-        raise DataError(
-            f"the validation split (data.val_files, data.toy.val_size or data.reasoning_gym."
-            f"val_size) has {len(validation.records)} prompts for {dp_size} data-parallel "
-            f"ranks: each rank evaluates at least one; give at least {dp_size}, or none")
+    if config.trainer.eval_every:  # a job that never evaluates needs no prompt per rank
+        check_validation_shards(len(validation.records), dp_size)
     sampler = PromptSampler(len(train.records), config.rollout.prompts_per_step, dp_rank,
                             dp_size, config.data.seed, config.data.shuffle)
     return TrainingData(train.records, train.token_ids, validation.records, validation.token_ids,
                         sampler, tokenizer, dp_rank, dp_size, config.data.max_prompt_tokens)
+
+
+def check_validation_shards(prompts: int, dp_size: int) -> None:
+    """DataError unless every data-parallel rank gets a validation prompt (or there are none):
+    a rank without one cannot evaluate while its peers wait for it. Checked at load when the
+    job evaluates (trainer.eval_every), and again by every evaluation (`Trainer.evaluate`
+    called by hand); every rank sees the same count, so all raise together."""
+    if 0 < prompts < dp_size:
+        raise DataError(
+            f"the validation split (data.val_files, data.toy.val_size or data.reasoning_gym."
+            f"val_size) has {prompts} prompts for {dp_size} data-parallel ranks: each rank "
+            f"evaluates at least one; give at least {dp_size}, or none")

@@ -19,7 +19,7 @@ from mcore_rl.runtime.devices import collective_device
 from mcore_rl.runtime.faults import kill_point
 from mcore_rl.training.batches import pad_rows_to
 
-from .data import TrainingData
+from .data import TrainingData, check_validation_shards
 from .step_statistics import episode_statistics
 
 
@@ -42,6 +42,7 @@ class RLEvaluator:
         run the evaluators (each given `trainer`); with a reference model also the KL of the
         policy to it on these responses (trainer.eval_kl_to_reference)."""
         kill_point("evaluate")
+        check_validation_shards(len(self.data.validation), self.data.dp_size)
         records, generation, results = self.responses(step)
         metrics = {}
         if self.roles.reference is not None and self.config.trainer.eval_kl_to_reference:

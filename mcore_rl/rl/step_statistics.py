@@ -31,6 +31,9 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
         stats.add("reward/accuracy", torch.tensor([float(r.correct) for r in results]))
     stats.add("reward/errors", torch.tensor([sum(r.error is not None for r in results)],
                                             dtype=torch.float64))
+    if results:
+        stats.add("reward/error_fraction", torch.tensor([float(r.error is not None)
+                                                          for r in results], dtype=torch.float64))
     response = batch["response_mask"].bool()
     lengths = response.sum(dim=1).double()
     stats.add("response/length_mean", lengths)
@@ -123,7 +126,9 @@ def token_staleness(batch: dict, rollout: Rollout, step: int, stats: SumsAndCoun
     `step`: the rollout's, or where the engine recorded versions, each token's) and
     rollout/on_policy_logprob_abs_diff_max, the engine/trainer log-prob gap over the tokens the
     trained version itself sampled, which only numerics can open (the other tokens' gap is
-    the policy's drift as well, as rollout/is_weight_* show); 0 where it sampled none."""
+    the policy's drift as well, as rollout/is_weight_* show); NaN in a step where it sampled
+    none on any rank (a maximum over no tokens, see SumsAndCounts.add_max), never a 0 that
+    would read as a perfect match."""
     versions = rollout.generation.token_versions(rollout.version)
     response = batch["response_mask"].bool()
     stats.add("rollout/stale_token_fraction", (versions < step).double(), response)
@@ -131,8 +136,7 @@ def token_staleness(batch: dict, rollout: Rollout, step: int, stats: SumsAndCoun
         return
     current = response & (versions == step)
     gap = (batch["old_logprobs"].double() - batch["engine_logprobs"].double()).abs()
-    stats.add_max("rollout/on_policy_logprob_abs_diff_max",
-                  torch.cat([gap[current], gap.new_zeros(1)]))
+    stats.add_max("rollout/on_policy_logprob_abs_diff_max", gap[current])
 
 
 def derived_metrics(metrics: dict) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import time
@@ -58,12 +57,9 @@ from .experience import (add_advantages, add_distillation, add_forward_passes,
 from .generator import PolicyGenerator
 from .rollout_scheduler import RolloutScheduler
 from .split.remote_rollouts import RemoteRollouts
+from .step_guards import StepGuards
 from .step_statistics import (derived_metrics, episode_statistics, off_policy_statistics,
                               rollout_statistics)
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many consecutive steps with non-finite losses or gradients."""
 
 
 @dataclasses.dataclass
@@ -141,7 +137,8 @@ class Trainer:
         self.hacking_monitor = RewardHackingMonitor(config.trainer.reward_hacking)
         self.selection = ModelSelection(config.trainer.selection)
         self.step = 0
-        self.bad_steps = 0
+        self.guards = StepGuards(config.trainer.max_bad_steps, config.reward.max_failed_steps,
+                                 self.checkpoint_dir)
         self.logger = MetricsLogger.for_job(config)
         self.timeline = Timeline(config.runtime.output_dir)
         self.trained_prompts = TrainedPromptsLog(config.runtime.output_dir, self.dp_group)
@@ -215,6 +212,7 @@ class Trainer:
                         "throughput/tokens_per_second": metrics["throughput/tokens"] / seconds,
                         "training/update_skipped": float(skipped)})
         self.step += 1
+        self.guards.check(self.step, metrics)
         return metrics
 
     def train_step(self) -> dict:
@@ -224,7 +222,6 @@ class Trainer:
         step and its evaluation."""
         experience = self.collect_data()
         metrics = self.update_policy(experience)
-        self._track_bad_steps(metrics)
         self.logger.log(self.step, metrics)
         self.timeline.record(self.step, experience.timer.intervals)
         self.trained_prompts.record(self.step, experience.prompts)
@@ -306,18 +303,6 @@ class Trainer:
             stats.add(name, torch.tensor([float(value)]))
         return batch
 
-    def _track_bad_steps(self, metrics: dict) -> None:
-        bad = is_bad_step(metrics)
-        self.bad_steps = self.bad_steps + 1 if bad else 0
-        if bad:
-            print0(f"step {self.step}: update skipped (non-finite loss or gradient norm), "
-                   f"{self.bad_steps} in a row")
-        if self.bad_steps >= self.config.trainer.max_bad_steps:
-            raise TrainingDiverged(
-                f"{self.bad_steps} consecutive steps with non-finite losses or gradients "
-                f"(trainer.max_bad_steps={self.config.trainer.max_bad_steps}); the newest "
-                f"checkpoint in {self.checkpoint_dir} is from before them")
-
     def _due(self, every: int) -> bool:
         """Whether something done every `every` steps and after the last (0: never) is due
         (was done) after the current step: evaluations, saves, HF exports. The last step is
@@ -370,7 +355,8 @@ class Trainer:
     def save(self) -> str:
         """Checkpoint everything a bitwise resume needs (collective)."""
         state = {"sampler": self.data.sampler.state_dict(),
-                 "kl_controller": self.kl_controller.state_dict(), "bad_steps": self.bad_steps,
+                 "kl_controller": self.kl_controller.state_dict(),
+                 "bad_steps": self.guards.bad_steps,
                  "reward_hacking": self.hacking_monitor.state_dict(),
                  "reward_shaping": self.reward_shaper.state_dict(),
                  "selection": self.selection.state_dict()}
@@ -386,7 +372,7 @@ class Trainer:
         self.step, state = loaded
         self.data.sampler.load_state_dict(state["sampler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
-        self.bad_steps = state["bad_steps"]
+        self.guards.bad_steps = state["bad_steps"]
         for name, component in (("reward_hacking", self.hacking_monitor),
                                 ("reward_shaping", self.reward_shaper),
                                 ("selection", self.selection)):
@@ -448,9 +434,3 @@ def _replace_folder(source: str, target: str) -> None:
     os.replace(source, target)
     shutil.rmtree(target + ".old", ignore_errors=True)
 
-
-def is_bad_step(metrics: dict) -> bool:
-    """A step whose update was skipped or whose losses or gradient norms are not finite."""
-    return metrics["training/update_skipped"] > 0 or not all(
-        math.isfinite(value) for name, value in metrics.items()
-        if name.endswith(("/loss", "/grad_norm")))

@@ -47,6 +47,20 @@ class RuleReward:
         return [dataclasses.replace(result, correct=is_correct(result.score))
                 for result in results]
 
+    def probe(self, records: list) -> None:
+        """Run each data source's function once in its sandbox on the data source's first row,
+        with the row's ground truth as the response; ValueError naming the row, the error and
+        the reward.* setting that would allow it."""
+        first = {}
+        for record in records:
+            first.setdefault(record.data_source, record)
+        self.rewards.probe([RewardRequest(
+            sample_id=f"row {record.index}", data_source=record.data_source,
+            response=record.ground_truth if isinstance(record.ground_truth, str) else "",
+            ground_truth=record.ground_truth,
+            extra_info={"prompt": record.prompt, **record.extra_info})
+            for record in first.values()])
+
     def _response(self, completion) -> str:
         """The text a reward function scores: the response, or an episode's final assistant
         message (its token ids hold the observations too)."""

@@ -3,10 +3,11 @@
 torchrun starts every rank in a session of its own, so killing torchrun - even its whole process
 group with `kill -9 -PGID`, or a test's timeout killing it - leaves the ranks running (they keep
 training, with nobody to supervise or restart them). SLURM kills a job's whole cgroup; a
-workstation or a CI machine has nothing that does. So a rank started by torchrun asks the kernel
-to SIGKILL it when its parent, torchrun's agent, dies (Linux's PR_SET_PDEATHSIG,
-`exit_with_launcher`). Outside torchrun nothing changes there: a job started by a shell must
-survive that shell (nohup).
+workstation or a CI machine has nothing that does. So a rank started by torchrun's agent (or
+another launcher built on it: `accelerate launch`) asks the kernel to SIGKILL it when its parent
+dies (Linux's PR_SET_PDEATHSIG, `exit_with_launcher`), and exits at once if the launcher is
+already gone. Outside torchrun nothing changes there: a job started by a shell must survive that
+shell (nohup).
 
 A rank killed without cleanup (SIGKILL, the OOM killer, torchrun's death) leaves what it started:
 child processes (Megatron's checkpoint writers and their Manager, reward workers, library
@@ -34,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 from . import rank_guard
 
@@ -72,29 +74,101 @@ def system_temp_dir() -> str:
 
 
 def exit_with_launcher() -> bool:
-    """Under torchrun on Linux: be killed when torchrun's agent dies, or exit now if it already
-    has (this process's parent is then init or a subreaper, not torchrun: a rank started by a
-    launcher killed while the rank was still importing). Call first thing, before the imports.
-    Returns whether the guard is set."""
+    """Under torchrun on Linux (TORCHELASTIC_RUN_ID set): be killed when this process's parent
+    dies, or exit now, with one line on stderr, if the launcher is already gone. Call first
+    thing, before the imports. Returns whether the guard is set.
+
+    The parent is torchrun's agent, or whatever runs between it and the rank: a wrapper
+    (`torchrun --no-python bash wrapper.sh`, `nsys profile`, `py-spy record`), or an in-process
+    launcher (`accelerate launch`). Under a wrapper the signal follows the wrapper, so a wrapper
+    that should end with torchrun ends its script with `exec`. A launcher killed while its rank
+    was still starting leaves the rank to init or a subreaper (systemd --user, tini), or its
+    wrapper to them: the rank exits when no process from its parent up to PID 1 is a launcher
+    (`launcher_gone`), and only then. A launcher may be PID 1 itself (torchrun as a container's
+    entry point): its ranks' parent is PID 1, and they run."""
     if LAUNCHED_BY_TORCHRUN not in os.environ or not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return False
-    if not _is_torchrun(os.getppid()):
+    ancestors = _ancestors(os.getppid())
+    if launcher_gone(ancestors):
+        found = " <- ".join(f"pid {process.pid} `{' '.join(process.argv)[:100] or '?'}`"
+                            for process in ancestors)
+        print(f"mcore_rl: error: this rank (pid {os.getpid()}) was started by torchrun or a "
+              f"launcher like it ({LAUNCHED_BY_TORCHRUN} is set), but none runs above it any "
+              f"more: expected torchrun, torch.distributed.run, accelerate or another process "
+              f"running torch among its parent and the parent's ancestors, found {found}; "
+              f"exiting rather than running unsupervised", file=sys.stderr, flush=True)
         os._exit(1)
     return True
 
 
-def _is_torchrun(pid: int) -> bool:
-    """Whether process `pid` runs torchrun (`torchrun`, `python -m torch.distributed.run` or
-    `.launch`)."""
+LAUNCHER_PROGRAMS = ("torchrun", "accelerate")
+"""Programs that start ranks (`torchrun`, `accelerate launch`), as a command's first word or
+the script a Python runs; `python -m torch.distributed.run` (or `.launch`) is one too."""
+
+
+@dataclass(frozen=True)
+class Ancestor:
+    """A process above this one, as /proc shows it."""
+
+    pid: int
+    argv: tuple[str, ...]
+    """Its command line (empty where it cannot be read)."""
+
+    runs_torch: bool
+    """Whether it has torch's library loaded (every torch launcher has: its agent is Python
+    code); False where its memory map cannot be read (another user's process, never a
+    launcher of this one)."""
+
+    @property
+    def is_launcher(self) -> bool:
+        """Its command is a launcher's (see LAUNCHER_PROGRAMS), or it runs torch."""
+        programs = [os.path.basename(word) for word in self.argv[:2]]
+        return (self.runs_torch or any(program in LAUNCHER_PROGRAMS for program in programs)
+                or any(word.startswith("torch.distributed.") for word in self.argv))
+
+
+def launcher_gone(ancestors: list[Ancestor]) -> bool:
+    """Whether a rank started by a launcher has lost it, given its ancestors from its parent
+    up to PID 1: none of them is a launcher. Not when nothing could be read: only positive
+    evidence ends a rank."""
+    return bool(ancestors) and not any(process.is_launcher for process in ancestors)
+
+
+def _ancestors(pid: int) -> list[Ancestor]:
+    """Process `pid` and its ancestors up to PID 1 (fewer when one is gone or hidden)."""
+    chain = []
+    while pid > 0 and len(chain) < 64:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as handle:
+                parent = int(handle.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+        process = Ancestor(pid, _argv(pid), False)
+        if not process.is_launcher and _runs_torch(pid):
+            process = Ancestor(pid, process.argv, True)
+        chain.append(process)
+        pid = parent
+    return chain
+
+
+def _argv(pid: int) -> tuple[str, ...]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            command = handle.read().replace(b"\0", b" ")
+            words = handle.read().decode(errors="replace").split("\0")
+    except OSError:
+        return ()
+    return tuple(words[:-1] if words and words[-1] == "" else words)
+
+
+def _runs_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as handle:
+            return any(b"/libtorch" in line for line in handle)
     except OSError:
         return False
-    return pid != 1 and (b"torchrun" in command or b"torch.distributed." in command)
 
 
 def guard_this_rank() -> str | None:

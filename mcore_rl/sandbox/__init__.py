@@ -26,6 +26,8 @@ limits, errors):
 - session.py: a forked session's confinement and request loop;
 - interpreter.py: a fresh interpreter a session can exec (the python tool's);
 - zygote.py: the zygote's confinement, fork loop and reaping;
+- user_code.py: the user's code in a session as Python would load it (the script's objects by
+  value, the code's folders readable);
 - client.py: the rank's side, Sandbox and its Replies;
 - errors.py: an exception in one line, as sessions reply it.
 

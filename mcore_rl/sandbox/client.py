@@ -9,6 +9,7 @@ the rank: PR_SET_PDEATHSIG fires when the thread that started the zygote exits.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import pickle
@@ -20,7 +21,7 @@ import tempfile
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler, send_handle
 from typing import Any, Optional
@@ -29,8 +30,11 @@ from .channel import _Channel, load_plain_data
 from .errors import describe_exception
 from .kernel import describe_status
 from .limits import BASIC_ENVIRONMENT, SandboxLimits
-from .zygote import ZYGOTE_BOOT
+from .user_code import code_folders, pack_main_objects
+from .zygote import ZYGOTE_BOOT, out_of_reach_note
 
+
+logger = logging.getLogger("mcore_rl.sandbox")
 
 STOP_GRACE_SECONDS = 2.0
 """How long a stopping zygote gets to end its sessions and exit before it is killed."""
@@ -133,12 +137,17 @@ class Sandbox:
     """Sessions in confined processes forked from one zygote; non-blocking open/send, replies
     from poll(). See zygote.py and session.py for what confines them."""
 
-    def __init__(self, limits: SandboxLimits, name: str = "tools", preload: tuple = ()):
+    def __init__(self, limits: SandboxLimits, name: str = "tools", preload: tuple = (),
+                 main_objects: tuple = ()):
         """preload: modules the zygote imports before forking any session, so that sessions
-        start without importing them (the time counts against each call's timeout)."""
+        start without importing them (the time counts against each call's timeout).
+        main_objects: functions and classes of this process's `__main__` the sessions use,
+        sent by value into the zygote's `__main__` (user_code.py); ValueError naming one that
+        cannot be."""
         self.limits = limits
         self.name = name
         self.preload = tuple(preload)
+        self._main_objects = pack_main_objects(main_objects) if main_objects else b""
         self._processes = _Processes()
         self._finalizer = weakref.finalize(self, self._processes.stop)
         self._mechanisms: Optional[dict] = None
@@ -169,9 +178,13 @@ class Sandbox:
                                      dir=system_temp_dir())
         self._processes.directory = directory
         ours, theirs = socket.socketpair()
-        setup = {"control_fd": theirs.fileno(), "directory": directory, "limits": self.limits,
-                 "preload": self.preload}
-        path = [os.path.abspath(entry) for entry in sys.path]  # the zygote's cwd differs
+        # the zygote's cwd differs: `readable` and the import path as the rank resolves them
+        limits = replace(self.limits, readable=tuple(
+            os.path.abspath(place) for place in self.limits.readable))
+        setup = {"control_fd": theirs.fileno(), "directory": directory, "limits": limits,
+                 "preload": self.preload, "code_folders": code_folders(),
+                 "main_objects": self._main_objects}
+        path = [os.path.abspath(entry) for entry in sys.path]
         self._processes.zygote = subprocess.Popen(
             [sys.executable, "-c", ZYGOTE_BOOT, pickle.dumps(path).hex(),
              pickle.dumps(setup).hex()],
@@ -181,7 +194,11 @@ class Sandbox:
                  if name in os.environ})
         theirs.close()
         self._processes.control = Connection(ours.detach())
-        self._mechanisms = self._await_ready()
+        ready = self._await_ready()
+        self._mechanisms = ready["mechanisms"]
+        if ready["out_of_reach"]:
+            logger.warning("the %s sandbox: %s", self.name,
+                           out_of_reach_note(ready["out_of_reach"]))
 
     def _await_ready(self) -> dict:
         control = self._processes.control

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BASIC_ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS")
-"""What every session sees of the rank's environment (HOME and TMPDIR are its directory)."""
+BASIC_ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "TZ", "OMP_NUM_THREADS", "LD_LIBRARY_PATH")
+"""What every session sees of the rank's environment (HOME and TMPDIR are its directory).
+LD_LIBRARY_PATH: a cluster's Python (an Lmod module) may find libpython only through it, and
+the zygote is that Python."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,12 @@ class SandboxLimits:
     """Folders and files sessions may read besides the system's folders (/usr, /lib, /etc,
     /dev, /proc, /sys), the Python installation, the code on the import path and their own
     directory (Landlock; where it is missing, what the user may read)."""
+
+    code_data: bool = True
+    """Whether the folders of the user's code (the import path's, editable packages) are
+    readable whole, data files beside a module included, or only their modules and packages:
+    where model-written code runs in the sessions too (the python tool), so that it does not
+    read the dataset beside a script."""
 
     def __post_init__(self):
         for name in ("timeout_seconds", "memory_mb", "cpu_seconds", "max_file_mb"):

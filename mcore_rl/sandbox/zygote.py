@@ -9,7 +9,11 @@ zygote never starts a thread; it checks for its parent's death in its loop inste
    ends, or by the next job (it is named like a rank's private folder) when the zygote was
    killed too;
 2. as root, it becomes `nobody`: root ignores RLIMIT_NPROC, and root's file permissions are the
-   machine's. Directories on sys.path that nobody may not enter (a Python under /root) stay
+   machine's. Unless nobody could not reach the user's code or `readable` (a folder of the
+   user's under one only root may enter: /root, a mkdtemp folder, pytest's): the user's code
+   must run, so the zygote stays root (no process limit; Landlock still bounds what it reads),
+   and the rank says so once, naming the folder (`_closed_to_nobody`). Directories on sys.path
+   that nobody may not enter (a Python under /root) stay
    importable through descriptors opened before (`/proc/self/fd/N`);
 3. unshare(CLONE_NEWUSER | CLONE_NEWNET): no network interface but a loopback that is down, so no
    TCP, UDP or abstract Unix socket reaches the host. Where user namespaces are blocked (Docker's
@@ -41,6 +45,7 @@ from .kernel import (CLONE_NEWNET, LANDLOCK_READ_RIGHTS, NOBODY, PR_SET_CHILD_SU
 from .interpreter import open_interpreter
 from .limits import SandboxLimits
 from .session import _Confinement, _run_session
+from .user_code import bind_main_objects
 
 
 ORPHAN_CHECK_SECONDS = 1.0
@@ -71,11 +76,15 @@ def zygote_main(setup: dict) -> None:
     signal.signal(signal.SIGTERM, on_parent_death)
     zygote = None
     try:
-        confinement = _confine_zygote(directory, setup["limits"])
-        for module in setup["preload"]:  # confined already: their import-time code too
+        confinement = _confine_zygote(directory, setup["limits"], setup["code_folders"])
+        # confined already: the user's import-time code runs confined too
+        if setup["main_objects"]:
+            bind_main_objects(setup["main_objects"])
+        for module in setup["preload"]:
             importlib.import_module(module)
         _check_room_for_sessions(setup["limits"].memory_mb)
-        control.send(("ready", confinement.mechanisms))
+        control.send(("ready", {"mechanisms": confinement.mechanisms,
+                                "out_of_reach": confinement.out_of_reach}))
         zygote = _Zygote(control, parent, directory, setup["limits"], confinement)
         zygote.serve()
     except _RankGone:
@@ -90,7 +99,17 @@ def zygote_main(setup: dict) -> None:
         os._exit(0)
 
 
-def _confine_zygote(directory: str, limits: SandboxLimits) -> _Confinement:
+def out_of_reach_note(out_of_reach: list[str]) -> str:
+    """Why the sandbox runs as root, and what to do."""
+    return ("its sessions run as root, not as nobody, so no process limit holds and only "
+            "Landlock keeps them from root's files: nobody could not read the user's code or "
+            f"`readable` ({'; '.join(out_of_reach)}); make those folders readable and "
+            "searchable by others (chmod o+rx, o+r for their files) or run the job as a "
+            "non-root user")
+
+
+def _confine_zygote(directory: str, limits: SandboxLimits, code_folders: list[str]
+                    ) -> _Confinement:
     """Steps 1-4 of the module docstring (Landlock is each session's: a layer here would forbid
     the sessions' writing their uid_map). Raises when the directory is out of the new user's
     reach, or network is off and nothing can deny it."""
@@ -101,15 +120,19 @@ def _confine_zygote(directory: str, limits: SandboxLimits) -> _Confinement:
     _check_room_for_sessions(limits.memory_mb)
     path_descriptors = {entry: os.open(entry, os.O_PATH | os.O_DIRECTORY)
                         for entry in sys.path if entry and os.path.isdir(entry)}
-    readable = _open_readable(limits.readable)
+    readable = _open_readable(limits.readable, code_folders, limits.code_data)
     open_interpreter()  # the python tool's fresh interpreters
-    user = _become_nobody(directory) if os.getuid() == 0 else _user_name(os.getuid())
+    out_of_reach = [] if os.getuid() else _closed_to_nobody((*limits.readable, *code_folders))
+    user = _become_nobody(directory) if os.getuid() == 0 and not out_of_reach else \
+        _user_name(os.getuid())
     if not os.access(directory, os.W_OK | os.X_OK):
         raise RuntimeError(f"the sandbox directory {directory} is out of reach for {user}: a "
                            "folder above it is not searchable by others; point TMPDIR at one "
                            "that is (e.g. /tmp)")
     _keep_importable(path_descriptors)
     network, own_user_namespaces = _isolate_network(limits.network)
+    # mapping root into a session's namespace needs CAP_SETFCAP, which the zygote gave up
+    own_user_namespaces &= user != "root"
     abi = landlock_abi()
     deny_tcp = not limits.network and abi >= 4
     deny_sockets = not limits.network and can_deny_new_sockets()
@@ -134,7 +157,8 @@ def _confine_zygote(directory: str, limits: SandboxLimits) -> _Confinement:
                   "filesystem": "landlock" if abi else "permissions",
                   "processes": processes, "user": user,
                   "signals": "landlock-scope" if abi >= 6 else "uid"}
-    return _Confinement(mechanisms, own_user_namespaces, abi, deny_tcp, deny_sockets, readable)
+    return _Confinement(mechanisms, own_user_namespaces, abi, deny_tcp, deny_sockets,
+                        list(readable.values()), out_of_reach)
 
 
 SYSTEM_READABLE = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/dev", "/proc",
@@ -142,27 +166,60 @@ SYSTEM_READABLE = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", 
 """What programs read: libraries, configuration, devices (null, urandom), their own /proc."""
 
 
-def _open_readable(extra: tuple[str, ...]) -> list[tuple[int, int]]:
-    """(descriptor, Landlock read rights) of what sessions may read, opened before the user
-    changes: the system's folders, the Python installation, `extra`, and the code on the import
-    path. A folder on the path outside those (a repository, the working directory) lends its
-    listing, its modules and its packages, not its other files (a run's checkpoints, data)."""
+def _open_readable(extra: tuple[str, ...], code_folders: list[str], code_data: bool
+                   ) -> dict[str, tuple[int, int]]:
+    """Path -> (descriptor, Landlock read rights) of what sessions may read, opened before the
+    user changes: the system's folders, the Python installation, `extra`, and where the user's
+    code lives (user_code.code_folders: the import path's folders, editable packages): whole
+    with `code_data`, else only a folder's listing, modules and packages (not the data files
+    beside them)."""
     roots = [*SYSTEM_READABLE, *{sys.prefix, sys.base_prefix, sys.exec_prefix,
                                  sys.base_exec_prefix}, *extra]
-    whole = {os.path.realpath(root) for root in roots if os.path.exists(root)}
-    targets = dict.fromkeys(whole, LANDLOCK_READ_RIGHTS)
-    for entry in {os.path.realpath(entry) for entry in sys.path if entry}:
-        if not os.path.isdir(entry) or any(_beneath(entry, root) for root in whole):
+    targets = {os.path.realpath(root): _rights(root) for root in roots if os.path.exists(root)}
+    for folder in code_folders:
+        if code_data or not os.path.isdir(folder) or _is_package(folder):
+            targets.setdefault(folder, _rights(folder))
             continue
-        targets.setdefault(entry, READ_DIR)
-        for name in os.listdir(entry):
-            path = os.path.join(entry, name)
-            if os.path.isdir(path) and (name == "__pycache__" or
-                                        os.path.isfile(os.path.join(path, "__init__.py"))):
-                targets[path] = LANDLOCK_READ_RIGHTS
-            elif name.endswith((".py", ".pyc", ".so")):
-                targets[path] = READ_FILE
-    return [(os.open(path, os.O_PATH), rights) for path, rights in targets.items()]
+        targets.setdefault(folder, READ_DIR)
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if name == "__pycache__" or _is_package(path) or name.endswith((".py", ".pyc", ".so")):
+                targets.setdefault(path, _rights(path))
+    return {path: (os.open(path, os.O_PATH), rights) for path, rights in targets.items()}
+
+
+def _rights(path: str) -> int:
+    return LANDLOCK_READ_RIGHTS if os.path.isdir(path) else READ_FILE
+
+
+def _is_package(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "__init__.py"))
+
+
+def _closed_to_nobody(places: tuple[str, ...]) -> list[str]:
+    """Those of `places` (the user's code and `readable`) that nobody, with no group but its
+    own, could not reach by their paths: "place: what stops it (mode, owner uid)"."""
+    closed = []
+    for place in dict.fromkeys(os.path.realpath(place) for place in places):
+        if not os.path.exists(place):
+            continue
+        steps = [(folder, 1) for folder in _folders_above(place)]  # 1: search, 4: read
+        steps.append((place, 5 if os.path.isdir(place) else 4))
+        for step, needed in steps:
+            status = os.stat(step)
+            bits = (status.st_mode >> 6 if status.st_uid == NOBODY else
+                    status.st_mode >> 3 if status.st_gid == NOBODY else status.st_mode) & 7
+            if bits & needed != needed:
+                closed.append(f"{place}: {step} (mode {status.st_mode & 0o777:o}, owner uid "
+                              f"{status.st_uid})")
+                break
+    return closed
+
+
+def _folders_above(path: str) -> list[str]:
+    """"/", "/a", "/a/b" for "/a/b/c"."""
+    parts = path.split(os.sep)[1:-1]
+    return [os.sep + os.sep.join(parts[:count]) for count in range(len(parts) + 1)]
 
 
 def _beneath(path: str, root: str) -> bool:
