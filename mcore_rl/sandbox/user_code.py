@@ -56,11 +56,6 @@ def check_sendable(value: Any, role: str) -> None:
         pickle_by_value(value, role)
 
 
-def main_objects(values: Iterable[Any]) -> list[Any]:
-    """Those of `values` defined in the main module (the ones to send by value)."""
-    return [value for value in values if getattr(value, "__module__", None) == MAIN]
-
-
 def pack_main_objects(values: Iterable[Any]) -> bytes:
     """The main module's `values` as one payload {qualified name: object} for
     `bind_main_objects`."""
