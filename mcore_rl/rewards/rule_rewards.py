@@ -13,7 +13,6 @@ the functions once on real rows, so that what the sandbox refuses them stops a j
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Iterable, Optional, Sequence
 
@@ -21,7 +20,6 @@ from mcore_rl.config.reward import RewardConfig
 
 from .registry import FunctionTable, load_function
 from ..sandbox import SandboxLimits
-from ..sandbox.errors import setting_hint
 from ..sandbox.user_code import pickle_by_value
 from .worker_pool import WorkerPool
 from .scoring import Scorer
@@ -76,7 +74,7 @@ class RuleRewards:
             raise RuntimeError("RuleRewards.score() after close()")
         self.check_data_sources({request.data_source for request in requests})
         if self._pool is not None:
-            results = [_with_setting_hint(result) for result in self._pool.score(requests)]
+            results = self._pool.score(requests)
         else:
             results = [self._scorer.score(request) for request in requests]
         for request, result in zip(requests, results):
@@ -135,16 +133,6 @@ def _worker_limits(config: RewardConfig) -> SandboxLimits:
         cpu_seconds=max(config.timeout_seconds, config.startup_timeout_seconds),
         network=config.network, environment=tuple(config.environment),
         readable=tuple(config.readable))
-
-
-def _with_setting_hint(result: RewardResult) -> RewardResult:
-    """A failed result's error with the reward.* setting that would allow it, if one fits."""
-    if result.error is None:
-        return result
-    hint = ("reward.startup_timeout_seconds bounds it"
-            if result.error.endswith("loading the reward function")
-            else setting_hint(result.error, "reward"))
-    return dataclasses.replace(result, error=f"{result.error} ({hint})") if hint else result
 
 
 def _check_picklable(reward_fn: RewardFunction) -> None:

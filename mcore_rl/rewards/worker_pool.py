@@ -17,6 +17,7 @@ rank: the zygote has the rank's death signal and kills its sessions.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Optional, Sequence
 
 from ..sandbox import Reply, Sandbox, SandboxLimits
-from ..sandbox.errors import describe_exception
+from ..sandbox.errors import describe_exception, setting_hint
 from .scoring import Scorer
 from .types import RewardRequest, RewardResult
 from .worker_session import LOAD, SCORE
@@ -164,17 +165,25 @@ class WorkerPool:
                 results[index] = self._result(kind, reply, worker.failure)
 
     def _result(self, kind: str, reply: Reply, failure: str) -> RewardResult:
-        """A reply as a RewardResult: a score's plain data, checked, or the error in words."""
+        """A reply as a RewardResult: a score's plain data, checked, or the error in words,
+        each error with the reward.* setting that would allow it where one fits."""
         if reply.ok:
-            return _decode(reply.value)
+            result = _decode(reply.value)
+            return result if result.error is None else dataclasses.replace(
+                result, error=_with_hint(result.error, setting_hint(result.error, "reward")))
         error = reply.error
         if failure and error == "session ended":
             error = f"the reward worker could not start: {failure}"
         elif error.startswith("session process died"):
             error = "reward worker" + error[len("session"):]
         elif kind == LOAD and error.startswith("timeout after"):
-            error += " starting the reward worker or loading the reward function"
-        return RewardResult.failed(error)
+            return RewardResult.failed(f"{error} starting the reward worker or loading the "
+                                       "reward function (reward.startup_timeout_seconds bounds it)")
+        return RewardResult.failed(_with_hint(error, setting_hint(error, "reward")))
+
+
+def _with_hint(error: str, hint: str) -> str:
+    return f"{error} ({hint})" if hint else error
 
 
 def _decode(value) -> RewardResult:

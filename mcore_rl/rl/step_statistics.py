@@ -29,11 +29,9 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
         stats.add("reward/varied_group_fraction", varied.double())
     if results and results[0].correct is not None:
         stats.add("reward/accuracy", torch.tensor([float(r.correct) for r in results]))
-    stats.add("reward/errors", torch.tensor([sum(r.error is not None for r in results)],
-                                            dtype=torch.float64))
-    if results:
-        stats.add("reward/error_fraction", torch.tensor([float(r.error is not None)
-                                                          for r in results], dtype=torch.float64))
+    errors = sum(r.error is not None for r in results)
+    stats.add("reward/errors", torch.tensor([errors], dtype=torch.float64))
+    stats.add_ratio("reward/error_fraction", errors, len(results))
     response = batch["response_mask"].bool()
     lengths = response.sum(dim=1).double()
     stats.add("response/length_mean", lengths)

@@ -34,13 +34,10 @@ class RuleReward:
                 scored_by_environment[position] = RewardResult(float(episode["reward"]))
                 continue
             record = records[completion.prompt_index]
-            extra_info = {"prompt": record.prompt, **record.extra_info}
-            if "messages" in episode:
-                extra_info["messages"] = episode["messages"]
-            requests.append(RewardRequest(
-                sample_id=f"{sample_prefix}/record{record.index}/sample{completion.sample_index}",
-                data_source=record.data_source, response=self._response(completion),
-                ground_truth=record.ground_truth, extra_info=extra_info))
+            extra = {"messages": episode["messages"]} if "messages" in episode else {}
+            requests.append(_request(
+                record, f"{sample_prefix}/record{record.index}/sample{completion.sample_index}",
+                self._response(completion), extra))
         scored = iter(self.rewards.score(requests) if requests else [])
         results = [scored_by_environment.get(position) or next(scored)
                    for position in range(len(generation.completions))]
@@ -54,12 +51,9 @@ class RuleReward:
         first = {}
         for record in records:
             first.setdefault(record.data_source, record)
-        self.rewards.probe([RewardRequest(
-            sample_id=f"row {record.index}", data_source=record.data_source,
-            response=record.ground_truth if isinstance(record.ground_truth, str) else "",
-            ground_truth=record.ground_truth,
-            extra_info={"prompt": record.prompt, **record.extra_info})
-            for record in first.values()])
+        self.rewards.probe([_request(record, f"row {record.index}", record.ground_truth
+                                     if isinstance(record.ground_truth, str) else "")
+                            for record in first.values()])
 
     def _response(self, completion) -> str:
         """The text a reward function scores: the response, or an episode's final assistant
@@ -67,3 +61,13 @@ class RuleReward:
         if completion.response_text is not None:
             return completion.response_text
         return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def _request(record, sample_id: str, response: str, extra: dict | None = None
+             ) -> RewardRequest:
+    """The reward call for `response` to `record`: its extra_info with the prompt (a row's own
+    extra_info["prompt"] kept) and `extra` (an episode's messages)."""
+    return RewardRequest(sample_id=sample_id, data_source=record.data_source, response=response,
+                         ground_truth=record.ground_truth,
+                         extra_info={"prompt": record.prompt, **record.extra_info,
+                                     **(extra or {})})

@@ -53,10 +53,6 @@ class _Confinement:
     readable: list
     """(descriptor, Landlock read rights) of what a session may read (zygote._open_readable)."""
 
-    out_of_reach: list
-    """Places of the user's code and `readable` the sandbox's user may not read (file
-    permissions), as "path (mode, owner uid)"."""
-
 
 def resolve(factory: str) -> Any:
     """The object a "package.module:attribute.path" string names (imported here)."""

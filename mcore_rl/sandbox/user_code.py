@@ -79,13 +79,8 @@ def pickle_by_value(value: Any, role: str) -> bytes:
 
 def bind_main_objects(payload: bytes) -> None:
     """In the zygote: put the rank's main-module objects into this process's `__main__`."""
-    main = sys.modules[MAIN]
     for name, value in pickle.loads(payload).items():
-        target = main
-        *parents, last = name.split(".")
-        for parent in parents:
-            target = getattr(target, parent)
-        setattr(target, last, value)
+        setattr(sys.modules[MAIN], name, value)
 
 
 def code_folders() -> list[str]:
@@ -97,7 +92,7 @@ def code_folders() -> list[str]:
                                                       sys.exec_prefix, sys.base_exec_prefix)}
     folders = {os.path.realpath(entry or os.getcwd()) for entry in sys.path}
     places = {folder for folder in folders if os.path.isdir(folder)
-              and not any(_beneath(folder, root) for root in python)}
+              and not any(beneath(folder, root) for root in python)}
     for name, module in list(sys.modules.items()):
         location = getattr(module, "__file__", None)
         if "." in name or not location:
@@ -105,12 +100,13 @@ def code_folders() -> list[str]:
         location = os.path.realpath(location)
         if os.path.basename(location).startswith("__init__."):
             location = os.path.dirname(location)  # a package: its folder
-        if not any(_beneath(location, place) for place in (*places, *python)):
+        if not any(beneath(location, place) for place in (*places, *python)):
             places.add(location)
     return sorted(places)
 
 
-def _beneath(path: str, root: str) -> bool:
+def beneath(path: str, root: str) -> bool:
+    """Whether `path` is `root` or lies inside it."""
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 

@@ -45,7 +45,7 @@ from .kernel import (CLONE_NEWNET, LANDLOCK_READ_RIGHTS, NOBODY, PR_SET_CHILD_SU
 from .interpreter import open_interpreter
 from .limits import SandboxLimits
 from .session import _Confinement, _run_session
-from .user_code import bind_main_objects
+from .user_code import beneath, bind_main_objects
 
 
 ORPHAN_CHECK_SECONDS = 1.0
@@ -76,7 +76,8 @@ def zygote_main(setup: dict) -> None:
     signal.signal(signal.SIGTERM, on_parent_death)
     zygote = None
     try:
-        confinement = _confine_zygote(directory, setup["limits"], setup["code_folders"])
+        confinement, out_of_reach = _confine_zygote(directory, setup["limits"],
+                                                    setup["code_folders"])
         # confined already: the user's import-time code runs confined too
         if setup["main_objects"]:
             bind_main_objects(setup["main_objects"])
@@ -84,7 +85,7 @@ def zygote_main(setup: dict) -> None:
             importlib.import_module(module)
         _check_room_for_sessions(setup["limits"].memory_mb)
         control.send(("ready", {"mechanisms": confinement.mechanisms,
-                                "out_of_reach": confinement.out_of_reach}))
+                                "out_of_reach": out_of_reach}))
         zygote = _Zygote(control, parent, directory, setup["limits"], confinement)
         zygote.serve()
     except _RankGone:
@@ -109,10 +110,11 @@ def out_of_reach_note(out_of_reach: list[str]) -> str:
 
 
 def _confine_zygote(directory: str, limits: SandboxLimits, code_folders: list[str]
-                    ) -> _Confinement:
+                    ) -> tuple[_Confinement, list[str]]:
     """Steps 1-4 of the module docstring (Landlock is each session's: a layer here would forbid
-    the sessions' writing their uid_map). Raises when the directory is out of the new user's
-    reach, or network is off and nothing can deny it."""
+    the sessions' writing their uid_map), and what kept the zygote root (_closed_to_nobody).
+    Raises when the directory is out of the new user's reach, or network is off and nothing can
+    deny it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the rank, which stops us
     os.chdir(directory)
     os.environ.update(HOME=directory, TMPDIR=directory)
@@ -158,7 +160,7 @@ def _confine_zygote(directory: str, limits: SandboxLimits, code_folders: list[st
                   "processes": processes, "user": user,
                   "signals": "landlock-scope" if abi >= 6 else "uid"}
     return _Confinement(mechanisms, own_user_namespaces, abi, deny_tcp, deny_sockets,
-                        list(readable.values()), out_of_reach)
+                        list(readable.values())), out_of_reach
 
 
 SYSTEM_READABLE = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/dev", "/proc",
@@ -220,10 +222,6 @@ def _folders_above(path: str) -> list[str]:
     """"/", "/a", "/a/b" for "/a/b/c"."""
     parts = path.split(os.sep)[1:-1]
     return [os.sep + os.sep.join(parts[:count]) for count in range(len(parts) + 1)]
-
-
-def _beneath(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 HEAVY_MODULES = ("torch", "numpy", "vllm", "transformers")
@@ -288,7 +286,7 @@ def _keep_importable(path_descriptors: dict[str, int]) -> None:
 def _reachable(path: str, replacements: dict[str, str]) -> str:
     """`path` below a replaced entry, through that entry's replacement."""
     for entry, replacement in replacements.items():
-        if _beneath(path, entry):
+        if beneath(path, entry):
             return replacement + path[len(entry):]
     return path
 
