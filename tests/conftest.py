@@ -68,6 +68,19 @@ def smollm2_hf(tmp_path_factory) -> str:
     return folder
 
 
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this process alone, for code that asks the group (destroyed
+    after the test)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def pytest_terminal_summary(terminalreporter):
     """Where the time went, by file (setup, call and teardown together; slowest first), after
     pytest's own slowest-tests list: docs/testing.md says how to read it."""

@@ -87,13 +87,18 @@ def routing_checks(chunks: list, local: dict, model: ModelConfig) -> dict:
     moved = torch.where(routes == NO_ROUTE, routes, (routes + 1) % model.moe.num_experts)
     result = {"natural": {"logprobs": _gather_to_rank0(outputs["logprobs"]),
                           "metrics": natural.metrics(collective_device())}}
-    for name, given in (("replayed", routes), ("moved", moved)):
+    # Every other row without routes (as an episode ended by a failed reset reaches r3): those
+    # rows keep their routers' own choices, the others follow the moved routes.
+    unrouted = (torch.arange(routes.shape[0]) % 2 == 0)[:, None, None, None]
+    partly = torch.where(unrouted, NO_ROUTE, moved)
+    result["unrouted_rows"] = _gather_to_rank0(unrouted.flatten())
+    for name, given in (("replayed", routes), ("moved", moved), ("partly", partly)):
         replay = RoutingPass(model, replay=True, observe=True, keep_routes=True,
                              expect_routes=True)
         outputs = compute_outputs(chunks, dict(local, routed_experts=given), MICRO_BATCH, "lm",
                                   model.vocab_size, routing=replay)
         taken = replay.routes(*local["input_ids"].shape).sort(dim=-1).values
-        mine = given != NO_ROUTE  # this stage's layers
+        mine = given != NO_ROUTE  # this stage's layers (and the routed rows)
         followed = torch.tensor([float(torch.equal(taken[mine],
                                                    given.sort(dim=-1).values[mine]))])
         dist.all_reduce(followed, op=dist.ReduceOp.MIN)

@@ -250,14 +250,17 @@ def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
         megatron_greedy = [c.token_ids for c in megatron.generate(prompts, greedy,
                                                                   config).completions]
     evaluation = trainer.evaluate() if trainer.config.algorithm.needs_reference else None
-    held_routes = None
-    if trainer.config.model.moe.enabled:  # episodes' path: streamed, no routes to keep
-        held_routes = _stream_and_count_held_routes(trainer.scheduler.generator.engine,
-                                                    prompts, greedy)
+    engine, held_routes = trainer.scheduler.generator.engine, None
+    if engine._moe_layers:  # episodes' path: streamed, no routes to keep
+        held_routes = _stream_and_count_held_routes(engine, prompts, greedy)
+    vllm_config = engine.llm.llm_engine.vllm_config
     result = {"history": history, "rank_order": trainer.config.parallel.rank_order,
               "vllm": [c.token_ids for c in vllm_greedy.completions],
               "megatron": megatron_greedy, "evaluation": evaluation,
-              "held_routes": held_routes}
+              "held_routes": held_routes,
+              "engine": {"prefix_caching": vllm_config.cache_config.enable_prefix_caching,
+                         "captures_routes": bool(engine._moe_layers),
+                         "logprobs_mode": vllm_config.model_config.logprobs_mode}}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, result)
     if dist.get_rank() == 0:

@@ -13,7 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config import BatchConfig, JobConfig, ModelConfig, ParallelConfig, RuntimeConfig
+from mcore_rl.config import (BatchConfig, JobConfig, ModelConfig, MoEConfig, ParallelConfig,
+                             RuntimeConfig)
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.conversion.architectures import ARCHITECTURES
 from mcore_rl.models import build_gpt_model, load_full_state
@@ -170,6 +171,17 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
         results["vllm_bad_start"] = "no error"
     except EngineError as error:
         results["vllm_bad_start"] = str(error)
+    # Route capture reads the V1 model runner: asking vLLM for V2 is refused before it starts.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    try:
+        moe = dataclasses.replace(MODEL, moe=MoEConfig(num_experts=4, ffn_hidden_size=64))
+        VllmEngine(config_dir, moe, ARCHITECTURES["Qwen3MoeForCausalLM"], 2, CONTEXT,
+                   torch.float32, capture_routes=True)
+        results["vllm_v2_runner"] = "no error"
+    except EngineError as error:
+        results["vllm_v2_runner"] = str(error)
+    finally:
+        del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
     if dist.get_rank() == 0:
         write_config_folder(MODEL, LLAMA, config_dir)
     dist.barrier()

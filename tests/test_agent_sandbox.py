@@ -4,10 +4,12 @@ parent. Handlers: tests/agent_sandbox_handlers.py. Every loop is bounded, every 
 loopback."""
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import logging
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -28,11 +30,36 @@ LIMITS = SandboxLimits(timeout_seconds=1.5, memory_mb=256, cpu_seconds=5.0, max_
                        max_file_mb=1)
 REPLY_WAIT_SECONDS = 10.0
 """How long a test waits for a reply that should come within a call's timeout."""
+SLOW_CALL_SECONDS = 8.0
+"""A call's timeout where a fresh interpreter starts (LIMITS' 1.5 s is short on a loaded
+machine)."""
 
 
 @pytest.fixture(scope="module")
 def sandbox():
     sandbox = Sandbox(LIMITS, name="test")
+    yield sandbox
+    sandbox.shutdown()
+
+
+@pytest.fixture(scope="module")
+def host_files():
+    """A folder of the host's that anyone may read (a checkpoint, a dataset of answers), none of
+    the default sandbox's `readable`."""
+    folder = tempfile.mkdtemp(prefix="mcore_rl-host-files-", dir="/tmp")
+    os.chmod(folder, 0o755)
+    for name, text in (("checkpoint.pt", "weights"), ("answers.json", '{"q1": "4711"}')):
+        with open(os.path.join(folder, name), "w") as handle:
+            handle.write(text)
+        os.chmod(os.path.join(folder, name), 0o644)
+    yield folder
+    shutil.rmtree(folder)
+
+
+@pytest.fixture(scope="module")
+def readable_sandbox(host_files):
+    """A sandbox whose `readable` holds host_files, as an environment's dataset would be."""
+    sandbox = Sandbox(dataclasses.replace(LIMITS, readable=(host_files,)), name="test-readable")
     yield sandbox
     sandbox.shutdown()
 
@@ -50,8 +77,8 @@ def replies_for(sandbox: Sandbox, count: int) -> dict[str, list[Reply]]:
     return replies
 
 
-def call(sandbox: Sandbox, key: str, request) -> Reply:
-    sandbox.send(key, request)
+def call(sandbox: Sandbox, key: str, request, timeout_seconds=None) -> Reply:
+    sandbox.send(key, request, timeout_seconds)
     (reply,) = replies_for(sandbox, 1)[key]
     return reply
 
@@ -200,35 +227,24 @@ def test_no_socket_reaches_the_host_neither_unix_nor_udp(sandbox):
             unix.accept()
 
 
-def test_reads_only_code_the_system_its_own_folder_and_what_is_allowed(sandbox):
+def test_reads_only_code_the_system_its_own_folder_and_what_is_allowed(sandbox, host_files,
+                                                                       readable_sandbox):
     """Landlock's read rules: a file anyone may read (a checkpoint, a token in a home folder)
     is refused, as is a neighbour session's file; the session's own folder, the code on the
     import path and a folder named in `readable` are readable."""
     if sandbox.mechanisms()["filesystem"] != "landlock":
         pytest.skip("no Landlock on this kernel: reads are limited by file permissions only")
-    folder = tempfile.mkdtemp(prefix="mcore_rl-host-files-", dir="/tmp")  # anyone may read
-    try:
-        os.chmod(folder, 0o755)
-        secret = os.path.join(folder, "checkpoint.pt")
-        with open(secret, "w") as handle:
-            handle.write("weights")
-        os.chmod(secret, 0o644)
-        opened(sandbox, "reads", "reads-neighbour")
-        assert call(sandbox, "reads", ("read", secret)).value == "refused: Permission denied"
-        neighbour = os.path.join(call(sandbox, "reads-neighbour", ("cwd",)).value, "note")
-        assert call(sandbox, "reads-neighbour", ("write", neighbour)).value == "written"
-        assert call(sandbox, "reads", ("read", neighbour)).value == "refused: Permission denied"
-        assert call(sandbox, "reads-neighbour", ("read", neighbour)).value == "x"
-        handlers = os.path.join(os.path.dirname(__file__), "agent_sandbox_handlers.py")
-        assert "class Toolbox" in call(sandbox, "reads", ("read", handlers)).value
-        allowed = Sandbox(dataclasses.replace(LIMITS, readable=(folder,)), name="test-readable")
-        try:
-            opened(allowed, "allowed")
-            assert call(allowed, "allowed", ("read", secret)).value == "weights"
-        finally:
-            allowed.shutdown()
-    finally:
-        shutil.rmtree(folder)
+    secret = os.path.join(host_files, "checkpoint.pt")
+    opened(sandbox, "reads", "reads-neighbour")
+    assert call(sandbox, "reads", ("read", secret)).value == "refused: Permission denied"
+    neighbour = os.path.join(call(sandbox, "reads-neighbour", ("cwd",)).value, "note")
+    assert call(sandbox, "reads-neighbour", ("write", neighbour)).value == "written"
+    assert call(sandbox, "reads", ("read", neighbour)).value == "refused: Permission denied"
+    assert call(sandbox, "reads-neighbour", ("read", neighbour)).value == "x"
+    handlers = os.path.join(os.path.dirname(__file__), "agent_sandbox_handlers.py")
+    assert "class Toolbox" in call(sandbox, "reads", ("read", handlers)).value
+    opened(readable_sandbox, "allowed")
+    assert call(readable_sandbox, "allowed", ("read", secret)).value == "weights"
 
 
 def test_writes_only_beneath_the_sessions_directory(sandbox):
@@ -241,6 +257,8 @@ def test_writes_only_beneath_the_sessions_directory(sandbox):
     neighbour_file = os.path.join(call(sandbox, "neighbour", ("cwd",)).value, "planted")
     assert call(sandbox, "writes", ("write", neighbour_file)).value == "refused: Permission denied"
     assert call(sandbox, "writes", ("write", "inside.txt")).value == "written"
+    # ... and /dev/null, which subprocess.DEVNULL and open(os.devnull, "w") open
+    assert call(sandbox, "writes", ("write", os.devnull)).value == "written"
     inside = os.path.join(call(sandbox, "writes", ("cwd",)).value, "inside.txt")
     assert open(inside).read() == "x"
 
@@ -368,6 +386,83 @@ def test_python_tool_code_sees_no_episode_state_and_no_secrets(sandbox, monkeypa
     assert row["ground_truth"] == "answer-4711"  # held while the code ran
 
 
+def test_python_tool_reads_neither_the_environments_readable_nor_the_code(readable_sandbox,
+                                                                          host_files):
+    """`readable` is the environment's (its dataset: the answers), and so are the user's code
+    folders: the session reads them, the model's code in the python tool reads neither (a
+    Landlock layer of its own), and its refusal is the observation, not a crash. What Python
+    needs (the standard library, site-packages, the session's folder) still works, and another
+    process's /proc entry (its command line) is out of reach."""
+    if readable_sandbox.mechanisms()["filesystem"] != "landlock":
+        pytest.skip("no Landlock on this kernel: reads are limited by file permissions only")
+    answers = os.path.join(host_files, "answers.json")
+    handlers = os.path.join(os.path.dirname(__file__), "agent_sandbox_handlers.py")
+    opened(readable_sandbox, "env")
+    assert call(readable_sandbox, "env", ("read", answers)).value == '{"q1": "4711"}'
+    assert "class Toolbox" in call(readable_sandbox, "env", ("read", handlers)).value
+    session = readable_sandbox.pids()["env"]
+
+    def python(code: str) -> str:
+        reply = call(readable_sandbox, "env", ("python", code, 5.0), SLOW_CALL_SECONDS)
+        assert reply.ok, reply
+        return reply.value
+
+    assert python(f"print(open({answers!r}).read())") == (
+        f"PermissionError: [Errno 13] Permission denied: {answers!r}\n")
+    assert python(f"print(open({handlers!r}).read())") == (
+        f"PermissionError: [Errno 13] Permission denied: {handlers!r}\n")
+    assert python(f"print(open('/proc/{session}/cmdline').read())") == (
+        f"PermissionError: [Errno 13] Permission denied: '/proc/{session}/cmdline'\n")
+    assert python("import json, cloudpickle\nopen('mine.txt', 'w').write('kept')\n"
+                  "print(json.dumps(open('mine.txt').read()))") == '"kept"\n'
+    assert call(readable_sandbox, "env", ("add", 1)).value == 1  # the session goes on
+
+
+def test_python_tool_code_is_not_in_its_command_line(sandbox):
+    """/proc/<pid>/cmdline is readable to every process of the machine: code passed in argv
+    would show one episode's code to another episode's environment. It travels on stdin."""
+    opened(sandbox, "cmdline")
+    needle = "cmdline-probe-4711"
+    code = (f"import time\nseen = {needle!r} in open('/proc/self/cmdline').read()\n"
+            "time.sleep(1.0)\nprint(seen)")
+    sandbox.send("cmdline", ("python", code, 5.0), SLOW_CALL_SECONDS)
+    session = sandbox.pids()["cmdline"]
+    deadline, argv = time.monotonic() + REPLY_WAIT_SECONDS, []
+    while "-u" not in argv and time.monotonic() < deadline:  # the interpreter, once exec'd
+        with open(f"/proc/{session}/task/{session}/children") as handle:
+            children = handle.read().split()
+        with contextlib.suppress(OSError, IndexError):
+            with open(f"/proc/{children[0]}/cmdline", "rb") as handle:
+                argv = handle.read().decode(errors="replace").split("\0")
+        time.sleep(0.02)
+    assert "-u" in argv, "the python tool's interpreter was not seen running"
+    assert not any(needle in argument for argument in argv), argv
+    (reply,) = replies_for(sandbox, 1)["cmdline"]
+    assert reply.value == "False\n"
+
+
+def test_io_uring_is_refused_in_a_session(sandbox):
+    """The seccomp filter fails socket(2), but io_uring opens sockets of its own
+    (IORING_OP_SOCKET, Linux >= 5.19): its three calls fail with ENOSYS in a session and what
+    it starts, here the python tool's code."""
+    if platform.machine() not in ("x86_64", "aarch64"):
+        pytest.skip(f"the seccomp filter does not know {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    ring = libc.syscall(425, 1, ctypes.create_string_buffer(120))  # io_uring_setup
+    if ring < 0:
+        pytest.skip("io_uring_setup fails here even unsandboxed "
+                    f"({os.strerror(ctypes.get_errno())}): nothing to deny")
+    os.close(ring)
+    opened(sandbox, "io-uring")
+    code = ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "for call in ((425, 1, ctypes.create_string_buffer(120)), (426, -1, 0, 0, 0, None, 0),"
+            " (427, -1, 0, None, 0)):\n"
+            "    result = libc.syscall(*call)\n"
+            "    print(result, errno.errorcode.get(ctypes.get_errno()))")
+    reply = call(sandbox, "io-uring", ("python", code, 5.0), SLOW_CALL_SECONDS)
+    assert reply.value == "-1 ENOSYS\n" * 3, reply
+
+
 def test_sessions_see_only_the_allowed_environment(monkeypatch):
     """A rank's credentials do not reach sessions; variables a job allows do, and the library
     path a cluster's Python may need to start (an Lmod module's LD_LIBRARY_PATH)."""
@@ -405,3 +500,39 @@ def test_user_code_nobody_cannot_reach_keeps_the_sessions_root_and_says_so(tmp_p
     finally:
         opened_to_all.shutdown()
         closed.shutdown()
+
+
+def test_without_landlock_the_sandbox_refuses_to_start_unless_allowed_unconfined(monkeypatch,
+                                                                                 caplog,
+                                                                                 host_files):
+    """Where Landlock does not work (simulated in the zygote through the documented seam
+    kernel.SIMULATE_NO_LANDLOCK: landlock_abi() reports 0 there) nothing confines reads, so the
+    sandbox refuses to start, naming the setting; allow_unconfined starts it, says so once and
+    reports filesystem "unconfined", and then a session does read the host's files."""
+    from mcore_rl.sandbox import kernel
+
+    monkeypatch.setenv(kernel.SIMULATE_NO_LANDLOCK, "1")
+    limits = dataclasses.replace(LIMITS, environment=(kernel.SIMULATE_NO_LANDLOCK,))
+    refused = Sandbox(limits, name="test-no-landlock")
+    with pytest.raises(RuntimeError) as refusal:
+        refused.start()
+    message = str(refusal.value)
+    assert message.startswith("the test-no-landlock sandbox cannot start: RuntimeError: Landlock "
+                              f"does not work here ({kernel.SIMULATE_NO_LANDLOCK} is set)")
+    assert "rollout.multi_turn.sandbox.allow_unconfined" in message
+    unconfined = Sandbox(dataclasses.replace(limits, allow_unconfined=True), name="test-unconfined")
+    try:
+        with caplog.at_level(logging.WARNING, logger="mcore_rl.sandbox"):
+            assert unconfined.mechanisms()["filesystem"] == "unconfined"
+            opened(unconfined, "s")
+            checkpoint = os.path.join(host_files, "checkpoint.pt")
+            assert call(unconfined, "s", ("read", checkpoint)).value == "weights"
+            python = call(unconfined, "s", ("python", "print(6 * 7)", 5.0), SLOW_CALL_SECONDS)
+            assert python.value == "42\n", python
+    finally:
+        unconfined.shutdown()
+    warnings = [record.getMessage() for record in caplog.records
+                if record.name == "mcore_rl.sandbox"]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "the test-unconfined sandbox: reads and writes are not confined: Landlock does not work "
+        f"here ({kernel.SIMULATE_NO_LANDLOCK} is set) and allow_unconfined is set"), warnings

@@ -165,15 +165,6 @@ def test_bad_batches_fail_before_any_communication():
         balance_over_data_parallel(dict(batch, attention_mask=holes), None)
 
 
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_group_of_one_and_bad_assignments(world_of_one):
     batch = make_batch(2)
     same, stats = balance_over_data_parallel(batch, None)

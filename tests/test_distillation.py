@@ -255,3 +255,65 @@ def test_pure_distillation_needs_no_reward_function():
     assert table(0.0).path_for("toy/copy") != UNSCORED  # a rule still checks what it can
     with pytest.raises(ValueError, match="no reward function for data_source 'my/unscored_task'"):
         table(0.5).check_data_sources({"my/unscored_task"})
+
+
+def _student_rows(shard: int) -> dict:
+    """A student shard's rows: shard 0 two of width 5, shard 1 three of width 4."""
+    rows, width = (2, 5) if shard == 0 else (3, 4)
+    ids = torch.arange(rows * width).reshape(rows, width) + 100 * shard
+    return {"input_ids": ids, "attention_mask": torch.ones(rows, width, dtype=torch.long),
+            "output_mask": ids % 3 == 0}
+
+
+PHASES = {0: [("generate", 1.7e9 + 0.123456789, 1.7e9 + 1.5), ("reward", 1.7e9 + 2.0,
+                                                                1.7e9 + 2.25)],
+          1: [], 2: [("logprobs", 1.7e9 + 3.0, 1.7e9 + 4.000001)]}
+
+
+def _pool_and_record(out_dir):
+    import torch.distributed as dist
+
+    from mcore_rl.observability.timeline import Timeline
+    from mcore_rl.roles.teacher import pool_rows
+    from mcore_rl.runtime.regroup import gather_ints
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an object collective (pickles per step)")
+
+    dist.init_process_group("gloo")
+    dist.all_gather_object = dist.broadcast_object_list = dist.gather_object = refuse
+    rank = dist.get_rank()
+    shard = (1, 0, 1)[rank]
+    shards = gather_ints(shard, dist.group.WORLD)
+    pooled, mine = pool_rows(_student_rows(shard), shard, shards, dist.group.WORLD)
+    torch.save({"shards": shards, "pooled": pooled, "mine": (mine.start, mine.stop)},
+               os.path.join(out_dir, f"rank_{rank}.pt"))
+    timeline = Timeline(out_dir)
+    timeline.record(7, PHASES[rank])
+    timeline.close()
+    dist.destroy_process_group()
+
+
+def test_teacher_rows_and_the_timeline_travel_as_tensors(tmp_path):
+    """Issue 63: the teacher's pooling of its ranks' rows (and their student shards) and the
+    timeline's gather use tensor collectives, no pickling per step: with the object
+    collectives made to fail, three ranks of shards 1, 0, 1 pool both shards' rows once in
+    shard order, padded to the widest, and rank 0 writes every rank's intervals exactly."""
+    import json
+
+    from mcore_rl.observability.timeline import TIMELINE_FILE
+
+    run_world(3, _pool_and_record, str(tmp_path))
+    zero, one = _student_rows(0), _student_rows(1)
+    expected = {name: torch.cat([zero[name], torch.nn.functional.pad(one[name], (0, 1))])
+                for name in zero}
+    for rank, mine in ((0, (2, 5)), (1, (0, 2)), (2, (2, 5))):
+        result = torch.load(tmp_path / f"rank_{rank}.pt")
+        assert result["shards"] == [1, 0, 1] and result["mine"] == mine
+        assert result["pooled"].keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert result["pooled"][name].dtype == tensor.dtype, name
+            assert torch.equal(result["pooled"][name], tensor), name
+    rows = [json.loads(line) for line in open(tmp_path / TIMELINE_FILE)]
+    assert [(row["step"], row["rank"], row["phase"], row["start"], row["end"]) for row in rows] \
+        == [(7, rank, *interval) for rank in range(3) for interval in PHASES[rank]]

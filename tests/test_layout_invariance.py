@@ -147,7 +147,9 @@ def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world, et
     replaying the routes the routers took reproduces the log-probs; replaying every route moved
     to the next expert is followed by every router (observed, not assumed), changes the
     log-probs exactly as on one rank, and shows in moe/router_agreement (the routers' own
-    choices against the given routes); the MoE metrics are the same in every layout."""
+    choices against the given routes); with every other row route-less, those rows keep their
+    routers' choices while the others are replayed (r3 per row); the MoE metrics are the same
+    in every layout."""
     one_rank = layout_result(tmp_path_factory, MOE, 1, 1, 1)["routing"]
     routing = layout_result(tmp_path_factory, MOE, tp, pp, world, ep=ep,
                             sequence_parallel=tp > 1, etp=etp, cp=cp)["routing"]
@@ -158,8 +160,15 @@ def test_moe_routers_replay_given_routes(tmp_path_factory, tp, pp, ep, world, et
     assert moved_change > 1e-2
     assert (routing["moved"]["logprobs"] - one_rank["moved"]["logprobs"]).abs().max() \
         <= TOLERANCE
-    for name in ("replayed", "moved"):
+    for name in ("replayed", "moved", "partly"):
         assert routing[name]["followed"], name
+    # Rows without routes keep their routers' choices (not fillers); the others are replayed.
+    unrouted = routing["unrouted_rows"]
+    partly = routing["partly"]["logprobs"]
+    assert unrouted.any() and not unrouted.all()
+    assert (partly[unrouted] - natural[unrouted]).abs().max() <= 1e-6
+    assert (partly[~unrouted] - routing["moved"]["logprobs"][~unrouted]).abs().max() <= 1e-6
+    assert 0 < routing["partly"]["metrics"]["moe/routes_replayed"] < 1
     # Agreement: the routers' own choices against the given routes, not the replayed ones.
     assert routing["replayed"]["metrics"]["moe/router_agreement"] == 1.0
     assert 0 < routing["moved"]["metrics"]["moe/router_agreement"] < 0.9

@@ -225,6 +225,41 @@ def test_bad_adapter_settings_are_refused_naming_the_field():
         "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
+def test_targets_that_adapt_nothing_on_a_moe_model_are_refused_or_named():
+    """Issue 63: on a Mixture-of-Experts model without a dense layer or a shared expert the MLP
+    targets have no linear to adapt (routed experts take none). Only MLP targets: refused, by
+    the rule and by the build; with other targets beside them: the idle ones named."""
+    from mcore_rl.config import ParallelConfig
+    from mcore_rl.config.model import MoEConfig
+    from mcore_rl.models import build_gpt_model
+
+    moe = ModelConfig(moe=MoEConfig(num_experts=4, router_topk=2))
+    for targets in (("linear_fc1", "linear_fc2"), ("gate_proj", "up_proj", "down_proj")):
+        lora = LoraConfig(enabled=True, target_modules=targets)
+        errors = lora.model_errors("actor.lora", moe)
+        assert len(errors) == 1, errors
+        assert errors[0].startswith(f"actor.lora.target_modules={list(targets)} build no "
+                                    "adapter on this model: model.moe.num_experts=4 ")
+        assert "shared_expert_ffn_hidden_size=0" in errors[0]
+        with pytest.raises(ValueError, match=r"lora\.target_modules=.* build no adapter"):
+            build_gpt_model(moe, ParallelConfig(), lora=lora)
+    mixed = LoraConfig(enabled=True, target_modules=("q_proj", "v_proj", "down_proj"))
+    assert mixed.model_errors("sft.lora", moe) == []
+    assert mixed.model_warning("sft.lora", moe).startswith(
+        "sft.lora.target_modules: ['down_proj'] adapt nothing on this model (model.moe.")
+    mlp_only = LoraConfig(enabled=True, target_modules=("linear_fc1", "linear_fc2"))
+    reached = [ModelConfig(), dataclasses.replace(moe, moe=dataclasses.replace(
+        moe.moe, dense_layers=(0,))), dataclasses.replace(moe, moe=dataclasses.replace(
+            moe.moe, shared_expert_ffn_hidden_size=64))]
+    for model in reached:
+        assert mlp_only.model_errors("actor.lora", model) == []
+        assert mlp_only.model_warning("actor.lora", model) is None
+    everything = LoraConfig(enabled=True, target_modules=("all-linear",))
+    assert everything.model_errors("actor.lora", moe) == []
+    assert everything.model_warning("actor.lora", moe) is None
+    assert dataclasses.replace(mlp_only, enabled=False).model_errors("actor.lora", moe) == []
+
+
 def test_adapters_resume_only_onto_their_base(tmp_path):
     from mcore_rl.checkpoint.base_identity import base_identity
     from mcore_rl.config import InitConfig

@@ -2,7 +2,8 @@
 this project's runs: it fires on SFT -> RM -> PPO as issue 31 found it (the reward model's
 score rising while the checked accuracy falls, one answer for every question, KL 5.5), and stays
 quiet on a healthy GRPO run (the quickstart, 24 steps: accuracy up, distinct_1 at 0.21 of its
-start, KL 1.05; and 60 steps: accuracy up 39 points, KL 3.3)."""
+start, KL 1.05). An accuracy rising with the reward clears the other signs only beside a reward
+model's score: a rule reward's accuracy is its own check (issue 63)."""
 
 import pytest
 
@@ -78,18 +79,43 @@ def test_the_steps_kl_stands_in_and_the_start_survives_a_resume():
     assert resumed.check(HACKED[2]) == monitor.check(HACKED[2])
 
 
-def test_a_large_kl_with_accuracy_rising_as_the_reward_is_no_hacking():
-    """The quickstart's 60 steps (issue 44): the rule reward and the checked accuracy rose
-    together, KL 3.3 > 3. The KL is logged, not warned of; with the accuracy flat it warns."""
-    start = {"eval/reward_mean": 0.51, "eval/accuracy": 0.505, "eval/distinct_1": 0.03,
+def test_a_large_kl_with_an_independent_accuracy_rising_is_no_hacking():
+    """The quickstart's 60 steps (issue 44): the checked accuracy rose with the reward, KL 3.3
+    > 3. Beside a reward model's score the accuracy is an independent check: the KL is logged,
+    not warned of; with the accuracy flat it warns."""
+    start = {"eval/rm_score_mean": 0.51, "eval/accuracy": 0.505, "eval/distinct_1": 0.03,
              "eval/kl_to_reference": 0.0}
-    learned = {"eval/reward_mean": 0.9025, "eval/accuracy": 0.895, "eval/distinct_1": 0.02,
+    learned = {"eval/rm_score_mean": 0.9025, "eval/accuracy": 0.895, "eval/distinct_1": 0.02,
                "eval/kl_to_reference": 3.295}
     _, (logged, message) = run([start, learned])
     assert logged["warnings/kl_exceeded"] == 1.0 and logged["warnings/reward_hacking"] == 0.0
     assert message is None
     _, (logged, message) = run([start, {**learned, "eval/accuracy": 0.52}])
     assert logged["warnings/reward_hacking"] == 1.0 and "KL to the reference 3.295" in message
+
+
+@pytest.mark.parametrize("sign, row", [
+    ("diversity_collapse", {"eval/distinct_1": 0.002}),
+    ("kl_exceeded", {"eval/kl_to_reference": 3.295}),
+])
+def test_a_rule_rewards_own_accuracy_rising_with_it_does_not_clear_a_sign(sign, row):
+    """Issue 63: with rule rewards eval/accuracy is the reward's own check thresholded, so an
+    exploit of the rule raises both; their rising together must not silence the signs. The
+    same series scored by a reward model (the rules then an independent check) stays quiet."""
+    start = {"eval/reward_mean": 0.51, "eval/accuracy": 0.505, "eval/distinct_1": 0.03,
+             "eval/kl_to_reference": 0.0}
+    exploited = {"eval/reward_mean": 0.9025, "eval/accuracy": 0.895, "eval/distinct_1": 0.02,
+                 "eval/kl_to_reference": 1.0, **row}
+    _, (logged, message) = run([start, exploited])
+    assert [name for name, value in logged.items() if value] == [f"warnings/{sign}",
+                                                                  "warnings/reward_hacking"]
+    assert message is not None and "eval/reward_mean rose 0.51 -> 0.9025" in message
+    assert "eval/accuracy rose too (0.505 -> 0.895), but it is the same rule check" in message
+    scored = [{("eval/rm_score_mean" if key == "eval/reward_mean" else key): value
+               for key, value in each.items()} for each in (start, exploited)]
+    _, (logged, message) = run(scored)
+    assert logged[f"warnings/{sign}"] == 1.0 and logged["warnings/reward_hacking"] == 0.0
+    assert message is None
 
 
 def test_thresholds_are_options():

@@ -350,11 +350,19 @@ def test_rl_config_rules_name_the_fields():
     with pytest.raises(ConfigError, match="old_logprobs=engine needs on-policy batches"):
         validate_rl(load_config(None, ["rollout.old_logprobs=engine",
                                        "rollout.async_rollout=true"]), 1)
+    # The engine's log-probs are the whole softmax at temperature 1 (vLLM's raw ones); at
+    # another temperature top-k/top-p renormalise them, which an importance weight or the
+    # bypass ratio would carry.
+    at_07 = "rollout.sampling.temperature=0.7"
     for truncated in ("rollout.sampling.top_p=0.9", "rollout.sampling.top_k=5"):
-        with pytest.raises(ConfigError, match=r"old_logprobs=engine with rollout\.sampling\."
-                                              r"top_p=.* the engine reports log-probs under the "
-                                              r"truncated"):
-            validate_rl(load_config(None, ["rollout.old_logprobs=engine", truncated]), 1)
+        for use in ("rollout.old_logprobs=engine", "rollout.importance_cap=2.0"):
+            with pytest.raises(ConfigError, match=rf"{use.split('=')[0]}.* with rollout\.sampling"
+                                                  r"\.top_p=.* at temperature=0.7: vLLM reports "
+                                                  r"log-probs renormalised"):
+                validate_rl(load_config(None, [use, truncated, at_07]), 1)
+            assert "renormalised" not in _rl_config_errors([use, truncated])  # temperature 1
+        assert "renormalised" not in _rl_config_errors(["rollout.importance_cap=2.0", truncated,
+                                                        at_07, "rollout.engine=megatron"])
     with pytest.raises(ConfigError, match="reward.shaping cannot be combined with algorithm."
                                           "estimator=remax"):
         validate_rl(load_config(None, ["algorithm.estimator=remax",
@@ -383,6 +391,12 @@ def test_rl_config_rules_name_the_fields():
     with pytest.raises(ConfigError, match="rollout.routing_replay=r3 needs a Mixture-of-"
                                           "Experts model"):
         validate_rl(load_config(None, ["rollout.routing_replay=r3"]), 1)
+    with pytest.raises(ConfigError, match="rollout.router_agreement=true needs a Mixture-of-"):
+        validate_rl(load_config(None, ["rollout.router_agreement=true"]), 1)
+    with pytest.raises(ConfigError, match="rollout.router_agreement compares the trainer's "
+                                          "routers with the vLLM engine's"):
+        validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.router_agreement=true",
+                                       "rollout.engine=megatron"]), 1)
     with pytest.raises(ConfigError, match="rollout.routing_replay=r2 replays the routes of the "
                                           "old-log-prob pass, which rollout.old_logprobs=engine"):
         validate_rl(load_config(None, ["model.moe.num_experts=4", "rollout.routing_replay=r2",
@@ -433,6 +447,15 @@ def test_nonfinite_loss_skips_the_update(tmp_path):
     assert found["skipped"]["update_skipped"] and math.isnan(found["skipped"]["loss"])
     assert found["unchanged"] and found["scheduler_steps"] == 0
     assert not found["taken"]["update_skipped"] and found["changed"]
+
+
+def _rl_config_errors(overrides: list[str]) -> str:
+    """What validate_rl refuses in the default config with `overrides` ("" when nothing)."""
+    try:
+        validate_rl(load_config(None, overrides), 1)
+    except ConfigError as error:
+        return str(error)
+    return ""
 
 
 def test_filler_routes_load_every_expert_alike():

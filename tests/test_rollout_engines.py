@@ -181,6 +181,8 @@ def test_plan_that_does_not_fit_the_engine_is_refused_on_every_rank(results):
 
 
 def test_engine_that_cannot_start_says_why_on_every_rank(results):
+    for message in _both_ranks(results, "vllm_v2_runner"):
+        assert "VLLM_USE_V2_MODEL_RUNNER=1 asks for V2: unset it" in message
     for message in _both_ranks(results, "vllm_bad_start"):
         assert message.startswith("vLLM engine not started: rank 0: ")
         assert "missing/config.json does not exist" in message and "rank 1:" in message

@@ -58,7 +58,7 @@ def test_truncation_matches_vllm(top_k, top_p):
     assert torch.equal(truncate_logits(logits, top_k, top_p), theirs)
 
 
-def test_samples_follow_the_truncated_tempered_distribution():
+def test_samples_follow_the_truncated_distribution_and_report_the_whole_one():
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]])
     sampling = SamplingConfig(temperature=0.7, top_k=4, top_p=0.95)
     expected = torch.softmax(slow_truncation(logits / 0.7, 4, 0.95), dim=-1)[0]
@@ -69,7 +69,11 @@ def test_samples_follow_the_truncated_tempered_distribution():
     # Five standard errors of a binomial proportion.
     tolerance = 5 * torch.sqrt(expected * (1 - expected) / draws) + 1e-9
     assert bool(((frequencies - expected).abs() <= tolerance).all()), (frequencies, expected)
-    assert torch.allclose(logprobs, expected.log()[tokens].float(), atol=1e-6)
+    # Reported under the whole tempered distribution (what the trainer scores), not the kept
+    # tokens' renormalised one.
+    whole = torch.log_softmax(logits[0] / 0.7, dim=-1)
+    assert torch.allclose(logprobs, whole[tokens], atol=1e-6)
+    assert not torch.allclose(logprobs, expected.log()[tokens].float(), atol=1e-3)
     assert int(frequencies[4:].sum()) == 0  # outside top-k: never drawn
 
 
@@ -114,3 +118,21 @@ def test_response_tensors_align_logprobs_with_the_tokens_they_score():
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
     assert batch["response_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 1, 0, 0, 0]]
     assert batch["engine_logprobs"].tolist() == [[0, 0, 0, -0.5, -0.25], [0, -1.0, 0, 0, 0]]
+
+
+def test_a_completion_without_routes_leaves_its_row_unrouted_and_the_others_routed():
+    """One route-less row (an episode ended by a failed reset) must not drop the batch's
+    routes: its row is NO_ROUTE (not replayed), the others keep theirs."""
+    from mcore_rl.models.moe_routing import NO_ROUTE
+
+    routes = torch.arange(3 * 2 * 2, dtype=torch.int16).reshape(3, 2, 2) % 4  # [fed, layers, k]
+    generation = Generation(
+        completions=[Completion(0, 0, [7, 8], [-0.5, -0.25], "length"),
+                     Completion(0, 1, [9, 5, 6], [-1.0, -1.0, -1.0], "stop",
+                                routed_experts=routes)],
+        prompts=[[1]])
+    given = generation.response_tensors(pad_id=0)["routed_experts"]
+    assert given.shape == (2, 4, 2, 2)
+    assert bool((given[0] == NO_ROUTE).all())
+    assert torch.equal(given[1, :3], routes) and bool((given[1, 3:] == NO_ROUTE).all())
+

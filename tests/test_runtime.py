@@ -244,3 +244,52 @@ def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary(tmp_pa
         write_text_atomically(path, "new: \ud800\n")  # a lone surrogate: not encodable
     assert path.read_text() == "old: 1\n" and os.listdir(tmp_path) == ["config.yaml"]
     assert write_text_atomically(tmp_path / "new" / "a.txt", "x") == str(tmp_path / "new" / "a.txt")
+
+
+class FakeAllocator:
+    """A caching allocator's counters: the current level and the process-wide peak, which only
+    `reset_peak_memory_stats` lowers."""
+
+    def __init__(self, level: int):
+        self.level = self.peak = level
+        self.resets = 0
+
+    def set(self, level: int) -> None:
+        self.level, self.peak = level, max(self.peak, level)
+
+    def reset(self, device=None) -> None:
+        self.resets += 1
+        self.peak = self.level
+
+
+def test_peak_memory_measures_its_block_and_keeps_the_process_peak(monkeypatch):
+    """Issue 63: PeakMemory used to reset the process-wide peak counter at every weight sync,
+    so the step's memory/peak_allocated_mb (and any other reader) saw only the time since the
+    last sync. The GPU path runs here on a fake allocator; the CPU path on real memory."""
+    from mcore_rl.runtime.memory import PeakMemory
+
+    fake = FakeAllocator(100)
+    fake.set(10)  # an earlier peak of 100 (the step's forward), now 10 held
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: fake.level)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: fake.peak)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset)
+    with PeakMemory() as below:  # stays below the earlier peak: sampled
+        fake.set(40)
+        time.sleep(0.05)
+        fake.set(10)
+    assert (fake.resets, fake.peak) == (0, 100)
+    assert below.extra_bytes == 30
+    with PeakMemory() as above:  # raises the process's peak: exact, however short
+        fake.set(250)
+        fake.set(10)
+    assert (fake.resets, fake.peak) == (0, 250)
+    assert above.extra_bytes == 240
+    monkeypatch.undo()
+    with PeakMemory() as cpu:
+        block = torch.ones(16 * 2 ** 20 // 4)  # 16 MiB, written
+        time.sleep(0.02)
+        del block
+    assert 15 * 2 ** 20 <= cpu.extra_bytes < 64 * 2 ** 20, cpu.extra_bytes

@@ -209,3 +209,58 @@ def test_a_failing_rollout_rank_ends_the_trainers_with_its_error(tmp_path, token
     assert result[1]["error"] == "injected failure at batch 1"
     assert result[0]["error"] == \
         "stopping: rollout rank 1 failed: RuntimeError: injected failure at batch 1"
+
+
+def test_an_episode_batch_taking_new_weights_keeps_its_generate_interval(tmp_path,
+                                                                         world_of_one,
+                                                                         monkeypatch):
+    """Issue 63: new weights land between the engine steps of a running episode batch. The
+    rollout timeline records the batch's generating before the update under the old version
+    and after it under the new one, with the reshard between them (nothing overlapping); the
+    part after the update used to be lost with the timer replaced mid-phase."""
+    import time
+    from types import SimpleNamespace
+
+    from mcore_rl.observability.timeline import ROLLOUT_TIMELINE_FILE
+    from mcore_rl.rl.split import rollout_worker
+    from mcore_rl.rl.split.protocol import Weights
+
+    def episodes(runner, updating, records, sampling, max_prompt_tokens):
+        time.sleep(0.05)
+        assert updating.take_weights() == 4  # between two engine steps
+        time.sleep(0.05)
+        return "generation"
+
+    monkeypatch.setattr(rollout_worker, "run_on_instance", episodes)
+    monkeypatch.setattr(rollout_worker, "shutdown", lambda: None)
+    messages = [Weights(4)]
+    worker = object.__new__(rollout_worker.RolloutWorker)
+    worker._start_timeline(str(tmp_path), 0, None)
+    nothing = lambda *args, **kwargs: None  # noqa: E731
+    worker.config = SimpleNamespace(rollout=SimpleNamespace(
+        update_check_steps=1, partial_rollout="continue"), data=SimpleNamespace(
+        max_prompt_tokens=None))
+    worker.split = SimpleNamespace(side_group=None)
+    worker.control = SimpleNamespace(poll=lambda: messages.pop() if messages else None)
+    worker.weight_sync = SimpleNamespace(sync=lambda _: (time.sleep(0.02), SimpleNamespace(
+        bytes_received=0, seconds=0.02, peak_extra_mb=0.0))[1])
+    worker.engine = SimpleNamespace(instance_group=None, shard_key=0, abort=nothing,
+                                    add_requests=nothing, close=nothing,
+                                    generated_lengths=lambda: {})
+    worker.book = SimpleNamespace(weights_changed=lambda *args: ([], []),
+                                  complete_shares=lambda: [],
+                                  add_generated=lambda *args: SimpleNamespace(prompts=[]))
+    worker.scorer = None
+    worker.version, worker.deferred, worker.syncs = 3, [], []
+    worker.episodes = SimpleNamespace(close=nothing)
+    started = time.time()
+    worker._run_episodes("batch", 5, [], None)
+    ended = time.time()
+    worker.close()
+    rows = [json.loads(line) for line in open(tmp_path / ROLLOUT_TIMELINE_FILE)]
+    phases = [(row["step"], row["phase"]) for row in rows]
+    assert phases == [(3, "generate"), (4, "reshard"), (4, "generate")], phases
+    before, reshard, after = rows
+    assert started <= before["start"] and after["end"] <= ended
+    assert before["end"] <= reshard["start"] < reshard["end"] <= after["start"]
+    assert after["end"] - after["start"] >= 0.04  # the sleep after the update

@@ -175,3 +175,41 @@ def test_refusals_name_the_checkpoint_and_the_rule(tmp_path):
     with pytest.raises(ValueError, match="keep_last=0 must be >= 1"):
         save_training_state(str(tmp_path), 2, {}, {}, "", keep_last=0)
     assert not os.path.exists(path + ".incomplete")
+
+
+UNPICKLED = []
+
+
+def _planted():
+    UNPICKLED.append(True)  # what a crafted trainer_state.pt could run instead
+    return "planted"
+
+
+class Planted:
+    """Not a tensor or a plain container: unpickling it calls `_planted`."""
+
+    def __reduce__(self):
+        return (_planted, ())
+
+
+def test_the_trainer_state_is_read_weights_only(tmp_path, monkeypatch):
+    """Issue 63: trainer_state.pt holds plain data, so it is read by the weights-only
+    unpickler: a file carrying another object is refused, naming it, and its code never runs.
+    The per-rank file (numpy RNG state, a pending rollout) keeps the full unpickler."""
+    from mcore_rl.training import checkpointer
+
+    monkeypatch.setattr(checkpointer, "_layout", lambda: {
+        "world_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
+    plain = {"sampler": {"epoch": 0, "offset": 8}, "kl_controller": {"value": 0.1},
+             "reward_hacking": {"start": {"eval/accuracy": 0.5}}, "selection": {
+                 "best_value": None}, "bad_steps": 0}
+    checkpointer.save_training_state(str(tmp_path), 1, {}, plain, "", 1,
+                                     rank_state={"pending_rollout": Planted()})
+    step, state = checkpointer.load_latest_training_state(str(tmp_path), {})
+    assert (step, state) == (1, dict(plain, rank_state={"pending_rollout": "planted"}))
+    UNPICKLED.clear()
+    checkpointer.save_training_state(str(tmp_path), 2, {}, {"sampler": Planted()}, "", 1)
+    with pytest.raises(ValueError, match=r"trainer_state\.pt: the trainer state holds objects "
+                                         r"other than tensors .*test_training_checkpoint"):
+        checkpointer.load_latest_training_state(str(tmp_path), {})
+    assert UNPICKLED == []

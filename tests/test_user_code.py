@@ -181,8 +181,9 @@ def score(data_source, solution_str, ground_truth, extra_info):
 @needs_vllm
 def test_a_notebook_puts_its_environment_module_on_sys_path(open_folder):
     """docs/agents.md's environment, in a module of a folder the script puts on sys.path; its
-    episodes' reward is read from a data file beside that module, which the job names in
-    rollout.multi_turn.sandbox.readable (the python tool's model code shares the sandbox)."""
+    episodes' reward is read from a data file beside that module, readable without naming it
+    (the code's folders are readable whole; the python tool's model code reads none of
+    them)."""
     write(open_folder, "envs/hidden_max_env.py", """\
         import json, pathlib
 
@@ -214,7 +215,7 @@ def test_a_notebook_puts_its_environment_module_on_sys_path(open_folder):
         sys.path.insert(0, os.path.join(os.getcwd(), "envs"))
 
         from hidden_max_env import HiddenMax
-        OVERRIDES = ["rollout.multi_turn.sandbox.readable=[envs/settings.json]"]
+        OVERRIDES = []
         """, """\
         trainer = Trainer(config, environment=HiddenMax)
         print("reward", trainer.update_policy(trainer.collect_data())["reward"])

@@ -3,8 +3,10 @@ rank receives only its rollout-TP shard in vLLM's layout, exactly the bytes it l
 
 Two worlds cover the cases the layouts differ in: training TP2 x PP2 -> rollout TP4 with tied
 embeddings, fewer KV heads (2) than rollout TP (vLLM replicates them) and a vocabulary padded
-differently by Megatron (to 256) and vLLM (to 64), where the trainer lays its ranks out PP first
-(world 4); and TP1 x PP2 -> rollout TP2, untied, with 3 layers over the 2 stages (2, 1; world 2).
+differently by Megatron (to 256) and vLLM (to 64), where the trainer lays its ranks out PP first,
+sampling at top_p 0.9 with importance weights (world 4); and TP1 x PP2 -> rollout TP2, untied,
+with 3 layers over the 2 stages (2, 1; world 2), a Mixture-of-Experts model without routing
+replay (the engine keeps prefix caching: it captures no routes).
 In both: engine and trainer log-probs agree within 1e-4 (fp32) after the first sync and after an
 optimizer step and a second sync, vLLM's greedy responses equal the Megatron engine's on the actor
 (the trainer's argmax), and every step's `reshard/bytes_received_max` equals
@@ -55,14 +57,18 @@ UNEVEN_EVALUATION = ["algorithm.use_kl_loss=true", "data.toy.val_size=3",
                      "rollout.eval_sampling.n=32", "rollout.eval_sampling.temperature=1.0"]
 """3 validation prompts over DP2 (2 and 1), 32 responses each at micro-batches of 32: the
 ranks' KL-to-reference passes would take 2 and 1 micro-batches, each an all-to-all over EP2."""
+TRUNCATED_SAMPLING = ["rollout.sampling.top_p=0.9", "rollout.importance_cap=2.0"]
+"""Top-p sampling with an importance weight: the engine's log-probs must be the whole
+distribution's (what the trainer scores), or the weights carry the kept mass (about 0.9)."""
 MOE_CASE = "moe_ep2_to_dp2_vllm_ep_r3"
+NO_REPLAY_CASE = "moe_pp2_to_tp2_no_replay"
 SEQUENCE_PARALLEL_CASE = "moe_tp2_sequence_parallel_ep2_etp1_to_tp2_r3"
 CASES = {  # name: (world size, overrides)
     "tp2pp2_to_tp4_tied": (4, WIDE_TIED + ["parallel.tensor_model_parallel_size=2",
                                            "parallel.pipeline_model_parallel_size=2",
-                                           "rollout.rollout_tp=4"]),
-    "tp1pp2_to_tp2": (2, ["model.num_layers=3", "parallel.pipeline_model_parallel_size=2",
-                          "rollout.rollout_tp=2"]),  # uneven stages: 2, 1 layers
+                                           "rollout.rollout_tp=4"] + TRUNCATED_SAMPLING),
+    NO_REPLAY_CASE: (2, MOE + ["model.num_layers=3", "parallel.pipeline_model_parallel_size=2",
+                               "rollout.rollout_tp=2"]),  # uneven stages: 2, 1 layers
     MOE_CASE: (2, MOE + ["parallel.expert_model_parallel_size=2", "rollout.rollout_tp=1",
                          "rollout.expert_parallel=true", "rollout.routing_replay=r3"]
                + UNEVEN_EVALUATION),
@@ -99,6 +105,31 @@ def test_engine_matches_trainer_after_each_sync(case):
     for rank in ranks:
         if rank["megatron"] is not None:  # None: no generation on the actor with EP > 1
             assert rank["vllm"] == rank["megatron"]
+
+
+def test_engine_reports_whole_distribution_logprobs_under_top_p(case):
+    """At top_p 0.9 the engine's log-probs equal the trainer's (the whole softmax), so the
+    importance weights are 1 but for numerics; renormalised ones were up to -log(0.9) off."""
+    name, ranks = case
+    if name != "tp2pp2_to_tp4_tied":
+        pytest.skip("sampled at top_p 0.9 in the TP2 x PP2 world only")
+    assert ranks[0]["engine"]["logprobs_mode"] == "raw_logprobs"
+    for step in ranks[0]["history"]:
+        assert abs(step["rollout/is_weight_mean"] - 1) <= 1e-4
+        assert step["rollout/is_weight_max"] <= 1 + 1e-4
+
+
+def test_moe_engine_without_replay_keeps_its_settings(case):
+    """Without r3 (or rollout.router_agreement) the engine reports no routes: prefix caching
+    stays on, and the step logs no agreement."""
+    name, ranks = case
+    if name not in (NO_REPLAY_CASE, MOE_CASE):
+        pytest.skip("MoE worlds only")
+    replays = name == MOE_CASE
+    for rank in ranks:
+        assert rank["engine"]["captures_routes"] == replays
+        assert rank["engine"]["prefix_caching"] == (not replays)
+    assert all(("moe/router_agreement" in step) == replays for step in ranks[0]["history"])
 
 
 def test_uneven_validation_shards_evaluate_with_experts_split(case):

@@ -8,7 +8,13 @@ reaches the next call or the session's environment. Not a fork of the session al
 process holds the episode (the environment, the dataset row and its ground truth), which a fork
 would hand to the model's code (`gc.get_objects()`), a reward-hacking path RL finds. The code sees
 an allow-listed environment (`ENVIRONMENT`), none of the rank's variables (tokens, credentials).
-That process closes every descriptor it inherited but its output and its interpreter's (the
+Inside a sandbox the interpreter also runs in a Landlock domain of its own, below the session's
+(`sandbox.confine_interpreter`): the session may read the environment's dataset
+(`sandbox.readable`) and the user's code, the model's code reads neither, only the Python
+installation, system libraries, its own /proc entry and the session's directory. The code reaches
+the interpreter on its standard input (a memfd), not in its argv: /proc/<pid>/cmdline is
+readable to every process, so an argument would show one episode's code to another. That
+process closes every descriptor it inherited but its output and its interpreter's (the
 session's channel to the rank above all: model code must not speak for the session), sits in a
 process group of its own (killed as a group when it exits or at the deadline, which takes its
 children along: a background child holding the output costs no wait), dies with the session
@@ -28,7 +34,8 @@ import signal
 import sys
 import time
 
-from ..sandbox import BASIC_ENVIRONMENT, describe_status, fresh_interpreter, set_parent_death_signal
+from ..sandbox import (BASIC_ENVIRONMENT, confine_interpreter, describe_status, fresh_interpreter,
+                       set_parent_death_signal)
 
 READ_CHUNK_BYTES = 1 << 16
 ENVIRONMENT = (*BASIC_ENVIRONMENT, "TMPDIR")
@@ -36,9 +43,13 @@ ENVIRONMENT = (*BASIC_ENVIRONMENT, "TMPDIR")
 the session's directory), not what a job allows its environments."""
 
 _RUNNER = r"""
-import sys, traceback
-code, memory_mb = sys.argv[1], sys.argv[2]
-del sys.argv[1:]
+import os, sys, traceback
+code = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+os.close(null)
+memory_mb = sys.argv[1]
+del sys.argv[1:], null
 status = 0
 try:
     exec(compile(code, "<python tool>", "exec"), {"__name__": "__main__"})
@@ -57,8 +68,9 @@ sys.stdout.flush()
 sys.stderr.flush()
 sys.exit(status)
 """
-"""The fresh interpreter's program: the code as __main__; the exception's last traceback line
-when it raises."""
+"""The fresh interpreter's program: the code, read whole from its standard input (which then
+becomes /dev/null, so that input() ends at once), as __main__; the exception's last traceback
+line when it raises."""
 
 
 def run_python(code: str, timeout_seconds: float, memory_mb: int,
@@ -88,33 +100,55 @@ def run_python(code: str, timeout_seconds: float, memory_mb: int,
 
 def _start(code: str, timeout_seconds: float, memory_mb: int) -> tuple[int, int]:
     """Fork the process that runs the code; (its pid, the read end of its output)."""
-    read_end, write_end = os.pipe()
+    code_fd = _code_file(code)
     try:
-        pid = os.fork()
-    except OSError:
-        os.close(read_end)
-        os.close(write_end)
-        raise
-    if pid == 0:
-        os.close(read_end)
-        _execute(code, write_end, timeout_seconds, memory_mb)
+        read_end, write_end = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(read_end)
+            os.close(write_end)
+            raise
+        if pid == 0:
+            os.close(read_end)
+            _execute(code_fd, write_end, timeout_seconds, memory_mb)  # never returns
+    finally:
+        os.close(code_fd)
     os.close(write_end)
     return pid, read_end
 
 
-def _execute(code: str, output_fd: int, timeout_seconds: float, memory_mb: int) -> None:
+def _code_file(code: str) -> int:
+    """A memory file holding the code (UTF-8; lone surrogates kept), at its start: the
+    interpreter's standard input. A file, not a pipe: the code is written whole before the
+    fork, whatever its size, with no reader to wait for."""
+    data = code.encode("utf-8", "surrogatepass")
+    descriptor = os.memfd_create("python-tool-code")
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(descriptor, view):]
+        os.lseek(descriptor, 0, os.SEEK_SET)
+    except OSError:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _execute(code_fd: int, output_fd: int, timeout_seconds: float, memory_mb: int) -> None:
     """The forked process: confine, become a fresh interpreter running the code (never
     returns)."""
     try:
         os.setpgid(0, 0)
         set_parent_death_signal()
-        _redirect_output(output_fd)
+        _redirect_output(code_fd, output_fd)
         binary, environment, keep = fresh_interpreter(_allowed_environment())
+        confine_interpreter()  # uses descriptors the next step closes
         _close_inherited_descriptors(keep)
         _limit(resource.RLIMIT_AS, memory_mb << 20)
         _limit(resource.RLIMIT_CPU, math.ceil(timeout_seconds) + 1)
         # -u: output reaches the pipe in the order it was written (stdout, then the error)
-        os.execve(binary, [binary, "-u", "-c", _RUNNER, code, str(memory_mb)], environment)
+        os.execve(binary, [binary, "-u", "-c", _RUNNER, str(memory_mb)], environment)
     except BaseException as error:  # no exec: say why where the caller reads
         os.write(2, f"error: the code could not be started ({error})\n".encode())
     finally:
@@ -129,10 +163,10 @@ def _allowed_environment() -> dict[str, str]:
     return environment
 
 
-def _redirect_output(output_fd: int) -> None:
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)  # input() ends at once instead of reading the session's stdin
-    os.close(devnull)
+def _redirect_output(code_fd: int, output_fd: int) -> None:
+    """Standard input: the code (never the session's stdin); output and errors: the pipe."""
+    os.dup2(code_fd, 0)
+    os.close(code_fd)
     os.dup2(output_fd, 1)
     os.dup2(output_fd, 2)
     os.close(output_fd)

@@ -58,7 +58,7 @@ class EpisodeRunner:
             timeout_seconds=limits.timeout_seconds, memory_mb=limits.memory_mb,
             cpu_seconds=limits.cpu_seconds, max_processes=limits.max_processes,
             network=limits.network, environment=tuple(limits.environment),
-            readable=tuple(limits.readable), code_data=False),
+            readable=tuple(limits.readable), allow_unconfined=limits.allow_unconfined),
             name="environments", preload=spec.modules(), main_objects=spec.main_objects())
         runner = cls(config, chat, spec, sandbox)
         runner._check_environment(probe_record)

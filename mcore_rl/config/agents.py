@@ -43,10 +43,18 @@ class ToolSandboxConfig:
 
     readable: tuple[str, ...] = ()
     """Folders and files environments and tools may read besides the system's folders, the
-    Python installation and the code of the user's folders (their modules and packages, not
-    the data beside them: model-written code runs here too) (a dataset an environment opens,
-    a table beside its module); nothing else (home, checkpoints, other episodes' folders) is
-    readable."""
+    Python installation and the user's code folders (the import path's, with the data beside
+    a module) (a dataset an environment opens elsewhere);
+    nothing else (home, checkpoints, other episodes' folders) is readable. Code the model
+    writes (the python tool) reads none of these nor the user's code: its interpreter has a
+    Landlock domain of its own (the Python installation, system libraries, the episode's
+    folder)."""
+
+    allow_unconfined: bool = False
+    """Whether to run where Landlock does not work (an old kernel, a container filtering its
+    calls), with reads and writes limited only by file permissions (the network and process
+    limits still hold), logged once at start; false: the job refuses to start there, since
+    nothing else keeps environments and model-written code from the machine's files."""
 
     def errors(self) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""

@@ -189,7 +189,7 @@ def moe_job_errors(config: JobConfig, job: str) -> list[str]:
 
 def lora_errors(config: JobConfig, lora: LoraConfig, prefix: str) -> list[str]:
     """The adapter settings at `prefix` and what they cannot be combined with yet."""
-    errors = lora.errors(prefix)
+    errors = lora.errors(prefix) + lora.model_errors(prefix, config.model)
     if lora.enabled and lora.dropout and config.parallel.tensor_model_parallel_size > 1:
         errors.append(f"{prefix}.dropout={lora.dropout} with parallel.tensor_model_parallel_size"
                       f"={config.parallel.tensor_model_parallel_size} is not supported yet: the "
@@ -223,9 +223,13 @@ def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
     if not config.model.moe.enabled:
         return [f"rollout.{field}={value} needs a Mixture-of-Experts model (model.moe."
                 "num_experts > 0)" for field, value in (("routing_replay", replay),
-                                                         ("expert_parallel", "true"))
+                                                         ("expert_parallel", "true"),
+                                                         ("router_agreement", "true"))
                 if getattr(config.rollout, field) not in ("none", False)]
     errors = []
+    if config.rollout.router_agreement and config.rollout.engine != "vllm":
+        errors.append("rollout.router_agreement compares the trainer's routers with the vLLM "
+                      "engine's: needs rollout.engine=vllm")
     if replay == "r3" and config.rollout.engine != "vllm":
         errors.append("rollout.routing_replay=r3 replays the vLLM engine's routes: needs "
                       "rollout.engine=vllm")
@@ -266,6 +270,10 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
     errors += _rl_batch_errors(config, world_size) + list(name_errors)
     errors += _moe_rl_errors(config, world_size)
     errors += _engine_old_logprob_errors(config)
+    if config.rollout.importance_cap:
+        errors += _truncated_logprob_errors(
+            config.rollout, f"rollout.importance_cap={config.rollout.importance_cap}",
+            "the importance weight needs", "rollout.importance_cap=0")
     errors += lora_errors(config, config.actor.lora, "actor.lora")
     errors += _teacher_errors(config, world_size)
     if config.reward.shaping.active and config.algorithm.estimator == "remax":
@@ -355,14 +363,24 @@ def _engine_old_logprob_errors(config: JobConfig) -> list[str]:
         errors.append("rollout.old_logprobs=engine needs on-policy batches without "
                       "importance sampling (rollout.async_rollout=false, max_staleness=0, "
                       "importance_cap=0)")
-    sampling = rollout.sampling
-    if sampling.top_p < 1 or sampling.top_k != -1:
-        errors.append(f"rollout.old_logprobs=engine with rollout.sampling.top_p={sampling.top_p} "
-                      f"and top_k={sampling.top_k}: the engine reports log-probs under the "
-                      "truncated, renormalised distribution it sampled from, the trainer's "
-                      "ratio and the teacher's KL need the full softmax; use top_p=1.0 and "
-                      "top_k=-1, or rollout.old_logprobs=trainer")
+    errors += _truncated_logprob_errors(rollout, "rollout.old_logprobs=engine",
+                                        "the trainer's ratio and the teacher's KL need",
+                                        "rollout.old_logprobs=trainer")
     return errors
+
+
+def _truncated_logprob_errors(rollout, use: str, need: str, instead: str) -> list[str]:
+    """A `use` of the engine's log-probs that needs them under the whole tempered distribution
+    is refused where the engine reports them renormalised over what top-k/top-p kept
+    (`RolloutConfig.engine_logprobs_whole`)."""
+    if rollout.engine_logprobs_whole:
+        return []
+    sampling = rollout.sampling
+    return [f"{use} with rollout.sampling.top_p={sampling.top_p}, top_k={sampling.top_k} at "
+            f"temperature={sampling.temperature}: vLLM reports log-probs renormalised over the "
+            f"tokens top-k/top-p kept (whole-distribution ones only at temperature 1), and "
+            f"{need} the whole softmax (the ratio would carry the kept mass, at sequence level "
+            f"its product); use temperature 1.0, or top_p=1.0 and top_k=-1, or {instead}"]
 
 
 def validate_sft(config: JobConfig, world_size: int) -> JobConfig:

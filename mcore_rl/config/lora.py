@@ -9,6 +9,10 @@ reference is the same model with the adapters off (docs/lora.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .model import ModelConfig
 
 MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The linear layers of a Llama-family block that take adapters, by their Megatron names."""
@@ -22,6 +26,10 @@ linear."""
 
 ALL_LINEAR = "all-linear"
 """peft's name for every linear layer except the output head."""
+
+MLP_TARGETS = ("linear_fc1", "linear_fc2")
+"""The MLP's linears. In a Mixture-of-Experts layer they exist only in its shared expert: the
+routed experts take no adapters (models/lora.py, `with_adapters`)."""
 
 
 @dataclass(frozen=True)
@@ -79,3 +87,52 @@ class LoraConfig:
         elif not self.target_modules:
             errors.append(f"{prefix}.target_modules is empty: name the linears to adapt")
         return errors
+
+    def unreached_targets(self, model: "ModelConfig") -> tuple[str, ...]:
+        """The targeted Megatron linears that no layer of `model` has: the MLP's on a
+        Mixture-of-Experts model without a dense layer (model.moe.dense_layers) and without a
+        shared expert, where only the routed experts hold MLP weights and those take no
+        adapters. Empty for a dense model."""
+        moe = model.moe
+        if not moe.enabled or moe.shared_expert_ffn_hidden_size > 0:
+            return ()
+        if any(not moe.is_moe_layer(layer) for layer in range(model.num_layers)):
+            return ()
+        return tuple(name for name in self.megatron_targets() if name in MLP_TARGETS)
+
+    def model_errors(self, prefix: str, model: "ModelConfig") -> list[str]:
+        """The rule against `model` (empty when valid or off): targets that build no adapter at
+        all on it are refused. Without this a job would train nothing and say nothing (every
+        weight frozen, the loss flat)."""
+        if not self.enabled or not self.target_modules:
+            return []
+        unreached = self.unreached_targets(model)
+        if not unreached or len(unreached) < len(self.megatron_targets()):
+            return []
+        return [f"{prefix}.target_modules={list(self.target_modules)} build no adapter on "
+                f"this model: {_why_unreached(model)}; add attention targets (linear_qkv, "
+                "linear_proj; HF: q_proj, k_proj, v_proj, o_proj) or all-linear"]
+
+    def model_warning(self, prefix: str, model: "ModelConfig") -> str | None:
+        """A line naming the targets that adapt nothing on `model` while others do (None when
+        every target adapts something, or when none does: `model_errors` refuses that).
+        Targets reached only through all-linear are not named: it means every linear there
+        is."""
+        if not self.enabled or self.model_errors(prefix, model):
+            return None
+        unreached = self.unreached_targets(model)
+        named = [name for name in self.target_modules
+                 if name != ALL_LINEAR and HF_TARGETS.get(name, name) in unreached]
+        if not named:
+            return None
+        return (f"{prefix}.target_modules: {named} adapt nothing on this model "
+                f"({_why_unreached(model)}); only the other targets get adapters")
+
+
+def _why_unreached(model: "ModelConfig") -> str:
+    return (f"model.moe.num_experts={model.moe.num_experts} makes every one of its "
+            f"{model.num_layers} layers Mixture-of-Experts (no dense layer: model.moe.dense_layers="
+            f"{list(model.moe.dense_layers)}) "
+            "without a shared expert (model.moe.shared_expert_ffn_hidden_size=0), and the "
+            "routed experts take no adapters, so the MLP targets (linear_fc1, linear_fc2; HF: "
+            "gate_proj, up_proj, down_proj) have no linear to adapt")

@@ -107,6 +107,12 @@ class RewardConfig:
     installation and the code on the import path (a test suite a code reward runs); nothing
     else (home, checkpoints, the rank's temporary files) is readable."""
 
+    allow_unconfined: bool = False
+    """Whether the reward workers may run where Landlock does not work (an old kernel, a
+    container filtering its calls), reading and writing what file permissions allow (the
+    network and process limits still hold), logged once at start; false: the job refuses to
+    start there."""
+
     functions: dict[str, str] = field(default_factory=dict)
     """data_source -> reward function as a dotted path, "package.module:function" or
     "package.module.function" (verl's compute_score signature: fn(data_source, solution_str,

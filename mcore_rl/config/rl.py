@@ -132,7 +132,8 @@ class RolloutConfig:
     forgets the cache, and responses still in flight (split placement's partial rollouts)
     recompute their tokens so far with the new weights. Logged as
     rollout/prefix_cache_hit_rate. Off where the engine reports each token's experts
-    (Mixture-of-Experts models): a cached prefix's tokens would have no routes. false: every
+    (routing_replay=r3 or router_agreement, said at start): a cached prefix's tokens would
+    have no routes. false: every
     request prefills its whole prompt, and requests in flight at an update keep the keys and
     values they have."""
 
@@ -162,7 +163,9 @@ class RolloutConfig:
 
     importance_cap: float = 0.0
     """Importance sampling against the engine's (behaviour) log-probs, correcting for the
-    engine/trainer mismatch and for stale rollouts (0: off). With importance_mode=truncate each
+    engine/trainer mismatch and for stale rollouts (0: off). The engine's log-probs must be
+    under the whole tempered distribution, as the trainer's are (`engine_logprobs_whole`: with
+    top_p < 1 or top_k, sample at temperature 1). With importance_mode=truncate each
     token's policy loss is weighted by min(ratio, cap), ratio = exp(logp_old - logp_engine);
     with importance_mode=mask, `cap` is the upper end of the kept range."""
 
@@ -183,20 +186,31 @@ class RolloutConfig:
     batch before the update (exact PPO). engine: the engine's sampling log-probs (verl's bypass
     mode), saving that forward pass; only for batches used for one on-policy optimizer step
     (trainer.ppo_epochs=1, trainer.mini_batches=1, async_rollout=false, max_staleness=0,
-    importance_cap=0) sampled from the whole distribution (sampling.top_p=1, top_k=-1: the engine
-    reports log-probs under what it sampled from), where the two differ by the engine/trainer
-    mismatch alone (a trainer run's rollout/logprob_mismatch metrics say how much)."""
+    importance_cap=0) whose engine log-probs are under the whole tempered distribution
+    (`engine_logprobs_whole`: temperature 1, or top_p=1 and top_k=-1), where the two differ by
+    the engine/trainer mismatch alone (a trainer run's rollout/logprob_mismatch metrics say how
+    much)."""
 
     routing_replay: str = "none"
     """Mixture-of-Experts models: which expert routes the trainer's forward passes of a batch
     use. none: the routers' own. r3: the engine's, for every token it computed (rollout routing
     replay, arXiv 2510.11370), in the old-log-prob, reference and update passes. r2: those the
     actor took in the old-log-prob pass, replayed by the reference and the updates (needs
-    old_logprobs=trainer). When the engine returns routes (vLLM), the step logs
-    moe/router_agreement: the share of (token, layer, k) routes the trainer's routers choose
-    themselves (also while replaying) that equal the engine's. Multi-turn episodes replay each
-    token's route from the first engine request that fed it (a model turn's from the request
-    that sampled it, an observation's from the next turn's prefill)."""
+    old_logprobs=trainer). r3 has the vLLM engine report routes (see router_agreement for
+    what that costs); the step then logs moe/routes_replayed (the share of the fed tokens'
+    routes the engine gave: a row without routes, e.g. an episode ended by a failed reset,
+    keeps its routers' own choices and counts against it) and moe/router_agreement: the share
+    of (token, layer, k) routes the trainer's routers choose themselves (also while replaying)
+    that equal the engine's. Multi-turn episodes replay each token's route from the first
+    engine request that fed it (a model turn's from the request that sampled it, an
+    observation's from the next turn's prefill)."""
+
+    router_agreement: bool = False
+    """Mixture-of-Experts models without routing replay: the vLLM engine still reports the
+    experts each token went to, so that the step logs moe/router_agreement (how often the
+    trainer's routers choose the engine's experts: the drift r3 would remove). It costs what
+    r3's capture costs: decoding without CUDA graphs, no async scheduling, no prefix
+    caching (said at start). Off: the engine reports no routes and keeps those settings."""
 
     max_staleness: int = 0
     """Split placement: a sample trains at most this many policy versions after the version
@@ -229,6 +243,28 @@ class RolloutConfig:
                        self.overlong == "penalty"}
         return [f"rollout.multi_turn does not work with {what} yet"
                 for what, applies in unsupported.items() if applies]
+
+    @property
+    def captures_routes(self) -> bool:
+        """Whether the engine reports each token's experts (a Mixture-of-Experts model's):
+        for r3, or for moe/router_agreement on request."""
+        return self.routing_replay == "r3" or self.router_agreement
+
+    @property
+    def vllm_raw_logprobs(self) -> bool:
+        """Whether the vLLM engine reports raw log-probs (the whole softmax of the logits, before
+        top-k/top-p), which are the trainer's distribution only at temperature 1; elsewhere it
+        reports processed ones (tempered, then renormalised over the tokens top-k/top-p kept)."""
+        return self.sampling.temperature == 1.0
+
+    @property
+    def engine_logprobs_whole(self) -> bool:
+        """Whether the engine's log-probs of the training samples are under the whole tempered
+        distribution, what the trainer scores (the Megatron engine's always), so that a ratio
+        against them measures the engine's difference alone, not also the mass top-k/top-p
+        cut off."""
+        truncated = self.sampling.top_p < 1 or self.sampling.top_k != -1
+        return self.engine == "megatron" or self.vllm_raw_logprobs or not truncated
 
     def importance_correction(self) -> "ImportanceCorrection":
         return ImportanceCorrection(self.importance_cap, self.importance_floor,
@@ -316,8 +352,9 @@ class RewardHackingConfig:
 
     accuracy_drop: float = 0.05
     """Sign accuracy_down: eval/accuracy (a ground-truth check) fell by more than this since
-    the first evaluation (absolute). Where it rose by more than this, the other signs do not
-    warn (the policy got better at the task)."""
+    the first evaluation (absolute). Where it rose by more than this beside a reward model's
+    score, the other signs do not warn (the policy got better at the task); beside rule
+    rewards it is the same rule's verdict and clears nothing (evaluation/reward_hacking.py)."""
 
     distinct_fraction: float = 0.1
     """Sign diversity_collapse: eval/distinct_1 fell below this fraction of its first value

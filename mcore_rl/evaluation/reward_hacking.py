@@ -15,11 +15,19 @@ first evaluation (before any update):
 
 Each sign is logged as `warnings/<name>` (1.0 or 0.0) in the evaluation's row, and
 `warnings/reward_hacking` is 1.0 when the reward rose and at least one sign shows; the trainer
-prints a warning line then. Where the ground-truth accuracy rose with the reward (by more than
-`accuracy_drop`), the policy got better at the task itself: a collapsed diversity or a large KL
-is then how it learned, not hacking (a verifiable reward on the quickstart: accuracy 50.5% ->
-89.5% at KL 3.3), and only a falling accuracy would warn. Pure functions of the evaluation
-metrics: no models, no process groups.
+prints a warning line then.
+
+One exemption, and which signal it reads: where the reward is a reward model's score
+(eval/rm_score_mean) and the ground-truth accuracy (eval/accuracy: the rule functions' check of
+each answer, run beside the reward model, roles/scorer.py) rose with it by more than
+`accuracy_drop`, the policy got better at the task itself: a collapsed diversity or a large KL
+is then how it learned, not hacking, and only a falling accuracy warns. The exemption needs an
+accuracy measured independently of the reward being monitored. With rule rewards
+(eval/reward_mean) eval/accuracy is the same rule's verdict, the reward thresholded: an exploit
+of the rule (a checker that accepts a wrong answer, a format it over-pays) raises both, so a
+rising accuracy proves nothing there and the other signs warn as they stand (the message says
+why the accuracy did not clear them). Pure functions of the evaluation metrics: no models, no
+process groups.
 """
 
 from __future__ import annotations
@@ -31,10 +39,17 @@ from mcore_rl.config.rl import RewardHackingConfig
 WARNING_PREFIX = "warnings/"
 REWARD_KEYS = ("eval/rm_score_mean", "eval/reward_mean")
 """The reward an evaluation reports: a reward model's score, else the rule rewards' mean."""
+INDEPENDENT_ACCURACY_REWARDS = frozenset({"eval/rm_score_mean"})
+"""Rewards whose eval/accuracy is measured independently of them, so that an accuracy rising
+with the reward shows learning: a reward model's score, checked by the rules. Not the rule
+rewards' eval/reward_mean: its accuracy is the same check (module docstring)."""
 
 
 class RewardHackingMonitor:
-    """Compares each evaluation with the run's first one (kept across resumes: state_dict)."""
+    """Compares each evaluation with the run's first one (kept across resumes: state_dict).
+    The reward is eval/rm_score_mean, else eval/reward_mean; eval/accuracy clears the other
+    signs only beside a reward model's score, where it is an independent check (module
+    docstring)."""
 
     def __init__(self, thresholds: RewardHackingConfig):
         self.thresholds = thresholds
@@ -46,7 +61,9 @@ class RewardHackingMonitor:
         the KL to the reference when the evaluation has none of its own (eval/kl_to_reference).
         The first call records the start and warns of nothing."""
         if self.start is None:
-            self.start = {key: value for key, value in metrics.items()
+            # Plain floats (a numpy scalar is a float too): the start is saved in the trainer
+            # state, which is read back weights-only (training/checkpointer.py).
+            self.start = {key: float(value) for key, value in metrics.items()
                           if isinstance(value, float) and math.isfinite(value)}
             return {}, None
         kl = metrics.get("eval/kl_to_reference", kl)
@@ -55,8 +72,8 @@ class RewardHackingMonitor:
                  "diversity_collapse": self._diversity_collapse(metrics),
                  "kl_exceeded": kl is not None and kl > self.thresholds.kl_bound}
         reward_up = reward is not None and metrics[reward] > self.start[reward]
-        hacking = reward_up and (signs["accuracy_down"] or (
-            any(signs.values()) and not self._accuracy_up(metrics)))
+        learned = reward in INDEPENDENT_ACCURACY_REWARDS and self._accuracy_up(metrics)
+        hacking = reward_up and (signs["accuracy_down"] or (any(signs.values()) and not learned))
         logged = {WARNING_PREFIX + name: float(shown) for name, shown in signs.items()}
         logged[WARNING_PREFIX + "reward_hacking"] = float(hacking)
         if not hacking:
@@ -92,6 +109,10 @@ class RewardHackingMonitor:
                          f"its start (< {self.thresholds.distinct_fraction:.0%})")
         if signs["kl_exceeded"]:
             parts.append(f"KL to the reference {kl:.4g} > {self.thresholds.kl_bound:g}")
+        if self._accuracy_up(metrics) and reward not in INDEPENDENT_ACCURACY_REWARDS:
+            parts.append(f"eval/accuracy rose too ({self.start['eval/accuracy']:.4g} -> "
+                         f"{metrics['eval/accuracy']:.4g}), but it is the same rule check as "
+                         f"{reward}, so it cannot tell learning from an exploit of the rule")
         return ("signs of reward hacking: " + "; ".join(parts) +
                 " (docs/preference.md: safeguards; trainer.reward_hacking sets the thresholds)")
 

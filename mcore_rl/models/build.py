@@ -14,6 +14,7 @@ from ..config import ModelConfig, ParallelConfig
 from ..config.lora import LoraConfig
 from ..param_layout.sharding import adapter_of
 from ..runtime.layout import training_rank
+from ..runtime.log import print0
 from ..runtime.model_groups import ModelGroups
 from .heads import ScalarHead
 from .layer_spec import decoder_spec
@@ -42,6 +43,8 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
 
     if head not in ("lm", "scalar"):
         raise ValueError(f"head={head!r} must be 'lm' or 'scalar'")
+    if lora is not None:
+        _check_lora_targets(lora, model)
     config = megatron_transformer_config(model, parallel, precision, random_init)
     if groups is None:
         here = training_rank()
@@ -80,6 +83,28 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
         _freeze_all_but_adapters(gpt)
         initialize_adapters(gpt, model, seed)
     return gpt
+
+
+LORA_SECTIONS = "actor.lora, sft.lora, dpo.lora or rm.lora"
+"""The build is not told which section its adapter settings came from, so its messages name
+them all; a check at config validation would name the one (see config/lora.py)."""
+
+_said: set[str] = set()
+"""Warnings already printed by this process."""
+
+
+def _check_lora_targets(lora: LoraConfig, model: ModelConfig) -> None:
+    """Refuse targets that would build no adapter on this model (a job whose every weight is
+    frozen trains nothing and would say nothing), and say once which targets adapt nothing
+    while others do (config/lora.py: `model_errors`, `model_warning`)."""
+    errors = lora.model_errors("lora", model)
+    if errors:
+        raise ValueError(f"the trained model's adapters ({LORA_SECTIONS}): "
+                         + "; ".join(errors))
+    warning = lora.model_warning("lora", model)
+    if warning is not None and warning not in _said:
+        _said.add(warning)
+        print0(f"WARNING: the trained model's adapters ({LORA_SECTIONS}): {warning}")
 
 
 def _freeze_all_but_adapters(gpt) -> None:

@@ -11,9 +11,12 @@ from the old-log-prob pass (r2), in every forward pass of the batch.
 
 A batch carries routes as ``routed_experts`` [n, s, MoE layers, top-k] (the k experts of token
 (row, position) in each MoE layer, in model order; -1 where no route is given: a response's
-last token, which the engine never fed back, and padding). Megatron-Core's ``RouterReplay``
-holds one router's target routes; it is addressed here router by router, not through its
-process-wide instance list (which every model built in the process joins).
+last token, which the engine never fed back, padding, and every token of a row the engine gave
+no routes: an episode ended by a failed reset). Replay goes through the hook Megatron-Core's
+routers consult for their top-k (``router.router_replay``, router by router, not through
+``RouterReplay``'s process-wide instance list, which every model built in the process joins):
+for the pass it holds the given routes, and a real token without one keeps the router's own
+choice, so one route-less row does not take replay from the others.
 
 Observing the routes taken (a forward hook on each router) gives the step's MoE metrics and,
 for r2, the routes to replay: the experts each token went to, the tokens each expert received,
@@ -98,6 +101,25 @@ def _whole_sequence(tokens: torch.Tensor, rows: int, sequence_parallel: bool) ->
     return by_position.transpose(0, 1)
 
 
+class _GivenRoutes:
+    """What a router consults for its top-k while a pass replays (in place of Megatron-Core's
+    `RouterReplay`, whose replay takes every token's route from the given ones): the given
+    route of each token, or the router's own top-k where `own` says so. The probabilities are
+    the router's scores of the chosen experts, as Megatron's replay gathers them."""
+
+    def __init__(self, routes: torch.Tensor, own: torch.Tensor):
+        self.routes, self.own = routes, own
+        """[tokens, k] in the router's token order, and [tokens] bool."""
+
+    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups=None, group_topk=None,
+                        default_compute_topk=None) -> tuple[torch.Tensor, torch.Tensor]:
+        _, chosen = default_compute_topk(scores, topk, num_groups=num_groups,
+                                         group_topk=group_topk)
+        routes = torch.where(self.own.to(scores.device)[:, None], chosen,
+                             self.routes.to(scores.device))
+        return scores.gather(1, routes), routes
+
+
 class RoutingPass:
     """The routers of one forward(-backward) pass over a batch: replay its ``routed_experts``
     (when `replay`) and observe the routes taken (when `observe`: `metrics()` gives the pass's
@@ -143,7 +165,7 @@ class RoutingPass:
         with ExitStack() as stack:
             for slot, router in local_routers(chunk, self.model):
                 if self.replay:
-                    stack.enter_context(self._replaying(router, given[:, :, slot]))
+                    stack.enter_context(self._replaying(router, given[:, :, slot], mask))
                 if self.observe:
                     handle = router.register_forward_hook(
                         lambda module, args, output, slot=slot:
@@ -155,21 +177,23 @@ class RoutingPass:
             self._taken.append((micro_batch["row_ids"].cpu(), taken.cpu()))  # sync anyway
 
     @contextmanager
-    def _replaying(self, router, routes: torch.Tensor) -> Iterator[None]:
-        """`router` routes token (row, position) to routes[row, position] (NO_ROUTE: a filler
-        route, `filler_routes`; positions no output depends on)."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
+    def _replaying(self, router, routes: torch.Tensor, attention_mask: torch.Tensor
+                   ) -> Iterator[None]:
+        """`router` routes token (row, position) to routes[row, position]. Where no route is
+        given (NO_ROUTE), a real token takes the router's own choice (a row the engine gave no
+        routes, e.g. an episode ended by a failed reset; a response's last token) and padding a
+        filler route (`filler_routes`: positions no output depends on)."""
+        sequence_parallel = router.config.sequence_parallel
+        unrouted = routes[..., 0] == NO_ROUTE
         filler = filler_routes(routes.shape[:-1], self.topk, self.experts, routes.device)
-        routes = torch.where(routes == NO_ROUTE, filler, routes.long())
-        replay = router.router_replay
-        replay.set_target_indices(_sequence_major(routes, router.config.sequence_parallel))
-        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        routes = torch.where(unrouted[..., None], filler, routes.long())
+        given = _GivenRoutes(_sequence_major(routes, sequence_parallel),
+                             _sequence_major(unrouted & attention_mask.bool(), sequence_parallel))
+        megatron_replay, router.router_replay = router.router_replay, given
         try:
             yield
         finally:
-            replay.clear_indices()
-            replay.clear_router_replay_action()
+            router.router_replay = megatron_replay
 
     @torch.no_grad()
     def _observe(self, router, hidden: torch.Tensor, routing_map: torch.Tensor, slot: int,

@@ -25,22 +25,53 @@ from mcore_rl.runtime.faults import kill_point
 
 class PhaseTimer:
     """Wall-clock seconds per named phase of one step (`with timer("generate"): ...`), and when
-    each phase ran (for the run's timeline)."""
+    each phase ran (for the run's timeline).
 
-    def __init__(self):
+    exclusive: a phase opened inside another pauses it: the outer phase's interval so far is
+    recorded when the inner one opens and it goes on when the inner one closes, so a rank's
+    intervals never overlap (a weight update or a scoring pass between the engine steps of a
+    running episode batch is not also counted as generating). `seconds` always counts each
+    phase whole."""
+
+    def __init__(self, exclusive: bool = False):
+        self.exclusive = exclusive
         self.seconds: dict[str, float] = {}
         self.intervals: list[tuple[str, float, float]] = []
         """(phase, start, end) in Unix seconds, comparable between the ranks of a job."""
+        self._open: list[list] = []
+        """[phase, start of its running part (None while paused)] of the phases still open,
+        outermost first."""
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
         kill_point(phase)
         start, wall_start = time.perf_counter(), time.time()
+        if self.exclusive and self._open:
+            self._cut(self._open[-1], wall_start)
+            self._open[-1][1] = None
+        entry = [phase, wall_start]
+        self._open.append(entry)
         try:
             yield
         finally:
+            wall_end = time.time()
+            self._open.remove(entry)
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-            self.intervals.append((phase, wall_start, time.time()))
+            self._cut(entry, wall_end)
+            if self.exclusive and self._open and self._open[-1][1] is None:
+                self._open[-1][1] = wall_end  # the paused phase goes on
+
+    def hand_over(self) -> list[tuple[str, float, float]]:
+        """The intervals finished so far, which the timer then forgets (a timeline records
+        them as one step). A phase still open is recorded when it closes, by a later hand-over
+        (the part of an exclusive timer's paused phase before the pause is finished already).
+        A timer replaced mid-phase instead would drop the whole open interval."""
+        handed, self.intervals = self.intervals, []
+        return handed
+
+    def _cut(self, entry: list, end: float) -> None:
+        if entry[1] is not None:
+            self.intervals.append((entry[0], entry[1], end))
 
     def metrics(self) -> dict[str, float]:
         return {f"time/{phase}": seconds for phase, seconds in self.seconds.items()}

@@ -1,8 +1,9 @@
 """The run's timeline: when each rank ran each phase of each step (generate, switch, reshard,
 reward, logprobs, advantages, update, ...), so a plot shows what overlapped and who waited.
 
-Every rank hands its step's phase intervals to one all-gather over the world; rank 0 appends one
-line per interval to RUN_DIR/timeline.jsonl:
+Every rank hands its step's phase intervals to an all-gather over the world (tensors on the
+group's device: the times as float64, the phase names as their UTF-8 bytes; no pickling per
+step); rank 0 appends one line per interval to RUN_DIR/timeline.jsonl:
 
     {"step": 3, "rank": 1, "phase": "generate", "start": 1.7e9, "end": 1.7e9, "recorded": 1.7e9}
 
@@ -19,7 +20,10 @@ import os
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+
+from mcore_rl.runtime.devices import collective_device
 
 TIMELINE_FILE = "timeline.jsonl"
 ROLLOUT_TIMELINE_FILE = "timeline_rollout.jsonl"
@@ -46,8 +50,7 @@ class Timeline:
             self._file = open(self.path, "a", encoding="utf-8")
 
     def record(self, step: int, intervals: list[tuple[str, float, float]]) -> None:
-        everyone = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, _merged(intervals), group=self.group)
+        everyone = _gather_intervals(_merged(intervals), self.group, self._file is not None)
         if self._file is None:
             return
         recorded = time.time()
@@ -71,6 +74,42 @@ def _merged(intervals: list[tuple[str, float, float]]) -> list[tuple[str, float,
         else:
             merged.append((phase, start, end))
     return merged
+
+
+def _gather_intervals(intervals: list[tuple[str, float, float]], group, decode: bool
+                      ) -> list[list[tuple[str, float, float]]]:
+    """Every rank's intervals (collective over `group`; [] per rank unless `decode`). A rank's
+    are one float64 tensor: their count, start and end of each (Unix seconds as the floats
+    Python holds them, exactly), then the bytes of their phase names joined by newlines. One
+    all_gather of the lengths, one of the tensors padded to the longest."""
+    device = collective_device(group)
+    names = "\n".join(phase for phase, _, _ in intervals).encode()
+    flat = torch.tensor([len(intervals), *(moment for _, start, end in intervals
+                                           for moment in (start, end)), *names],
+                        dtype=torch.float64, device=device)
+    world = dist.get_world_size(group)
+    length = torch.tensor([flat.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    lengths = torch.cat(lengths).tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.float64, device=device)
+    padded[:flat.numel()] = flat
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=group)
+    if not decode:
+        return [[] for _ in range(world)]
+    everyone = []
+    for tensor, used in zip(gathered, lengths):
+        values = tensor[:used].tolist()
+        count = int(values[0])
+        if not count:
+            everyone.append([])
+            continue
+        times = values[1:1 + 2 * count]
+        phases = bytes(int(byte) for byte in values[1 + 2 * count:]).decode().split("\n")
+        everyone.append([(phase, times[2 * i], times[2 * i + 1])
+                         for i, phase in enumerate(phases)])
+    return everyone
 
 
 def read_timeline(run_dir: str | os.PathLike, last_steps: int) -> list[dict]:

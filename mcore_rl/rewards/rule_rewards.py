@@ -132,7 +132,7 @@ def _worker_limits(config: RewardConfig) -> SandboxLimits:
         timeout_seconds=config.timeout_seconds, memory_mb=config.memory_mb,
         cpu_seconds=max(config.timeout_seconds, config.startup_timeout_seconds),
         network=config.network, environment=tuple(config.environment),
-        readable=tuple(config.readable))
+        readable=tuple(config.readable), allow_unconfined=config.allow_unconfined)
 
 
 def _check_picklable(reward_fn: RewardFunction) -> None:

@@ -300,9 +300,10 @@ def build_vllm_engine(config: JobConfig, context: int, plan: ReshardPlan,
                         gpu_memory_utilization=rollout.gpu_memory_utilization,
                         cuda_graphs=rollout.cuda_graphs, sleep_level=rollout.sleep_level,
                         timeout_minutes=config.runtime.collective_timeout_minutes,
-                        weight_layout=weight_layout, capture_routes=config.model.moe.enabled,
+                        weight_layout=weight_layout, capture_routes=rollout.captures_routes,
                         expert_parallel=plan.rollout.expert_parallel,
-                        prefix_caching=rollout.prefix_caching)
+                        prefix_caching=rollout.prefix_caching,
+                        full_logprobs=rollout.vllm_raw_logprobs)
     resharder = Resharder(plan, rollout.sync_bucket_mb * 2 ** 20, transport)
     if weight_layout == "vllm":
         engine.check_plan(plan.wanted_shapes(resharder.rank), plan.dtype)

@@ -18,6 +18,7 @@ from mcore_rl.observability.step_metrics import PhaseTimer, SumsAndCounts
 from mcore_rl.rollout import Generation, RolloutEngine
 from mcore_rl.training.offload import HostParking
 
+from .shard_parts import ShardParts
 from .weight_sync import WeightSync
 
 
@@ -25,8 +26,10 @@ class PolicyGenerator:
     """Generation with the actor's current weights (phases 'switch', 'reshard', 'generate')."""
 
     def __init__(self, engine: RolloutEngine, weight_sync: WeightSync | None, actor,
-                 parkings: list[HostParking], prompt_config: PromptConfig):
+                 parkings: list[HostParking], prompt_config: PromptConfig, shard_group):
         self.engine = engine
+        self.shard_parts = ShardParts(engine, shard_group)
+        """The data shard's prompts are generated once, in parts over its engine instances."""
         self.weight_sync = weight_sync
         """Feeds the engine the actor's weights; None when it generates on the actor's own
         parameters."""
@@ -41,7 +44,9 @@ class PolicyGenerator:
                  timer: PhaseTimer | None = None) -> Generation:
         timer = timer or PhaseTimer()
         with self.awake(timer), timer("generate"):
-            return self.engine.generate(token_ids, sampling, self.prompt_config)
+            first, mine = self.shard_parts.mine(token_ids)
+            part = self.engine.generate(mine, sampling, self.prompt_config, first)
+            return self.shard_parts.joined(part, len(token_ids))
 
     def run_episodes(self, runner, records: list, sampling: SamplingConfig,
                      timer: PhaseTimer | None = None) -> Generation:
@@ -49,8 +54,9 @@ class PolicyGenerator:
         engine."""
         timer = timer or PhaseTimer()
         with self.awake(timer), timer("generate"):
-            return run_on_instance(runner, self.engine, records, sampling,
-                                   self.prompt_config.max_prompt_tokens)
+            part = run_on_instance(runner, self.engine, self.shard_parts.mine(records)[1],
+                                   sampling, self.prompt_config.max_prompt_tokens)
+            return self.shard_parts.joined(part, len(records))
 
     def policy_updated(self) -> None:
         """The actor's weights changed: the next generation syncs first."""

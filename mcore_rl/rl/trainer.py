@@ -407,7 +407,8 @@ def _colocated_rollouts(config: JobConfig, data, reward_fn, runtime, shard_group
                 ((roles.actor, config.actor), (roles.critic, config.critic))
                 if role is not None and role_config.offload]
     generator = PolicyGenerator(engine, weight_sync, roles.actor, parkings,
-                                PromptConfig(max_prompt_tokens=config.data.max_prompt_tokens))
+                                PromptConfig(max_prompt_tokens=config.data.max_prompt_tokens),
+                                shard_group)
     scorer = Scorer(rule_reward, roles.reward_model, data.pad_id, shard_group)
     return roles, RolloutScheduler(config, data, generator, scorer, dp_group,
                                    build_episode_runner(config, data))

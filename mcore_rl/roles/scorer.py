@@ -1,9 +1,9 @@
 """Scoring: rule rewards and a reward model through one path.
 
-Every rank of a data shard's group (TP x CP x PP) must train on identical rows, so the group's
-first rank is the source of truth for what was generated and how it scored: it scores its
-generation with the rule rewards (sandboxed workers run only there) and broadcasts both to the
-group. A reward model is itself model-parallel, so it scores on every rank, after the
+Every rank of a data shard's group (TP x CP x PP) holds the same generation (the shard's
+prompts are generated once and shared: rl/shard_parts.py), so only its scores travel: the
+group's first rank scores it with the rule rewards (sandboxed workers run only there) and
+broadcasts the results to the group. A reward model is itself model-parallel, so it scores on every rank, after the
 hand-over; the rule rewards, where the data sources have them, then still check each response
 against its ground truth (`RewardResult.correct`), so that accuracy is measured, not read off
 the reward model's score.
@@ -32,18 +32,18 @@ class Scorer:
         self.pad_id = pad_id
         self.group = shard_group
         self.source = dist.get_process_group_ranks(shard_group)[0]
-        """The global rank whose generation and rule scores the group adopts."""
+        """The global rank whose rule scores the group adopts."""
 
     def score(self, generation: Generation, records: list, tag: str
               ) -> tuple[Generation, list[RewardResult]]:
-        """The group's generation (the source rank's) and its scores; `tag` prefixes the
-        sample ids in the sandbox's logs."""
-        payload = [(generation, None)]
+        """The group's generation (the same on each of its ranks) and its scores; `tag`
+        prefixes the sample ids in the sandbox's logs."""
+        payload = [None]
         if dist.get_rank() == self.source and self.rule_reward is not None:
-            payload = [(generation, self.rule_reward.score(generation, records, tag))]
+            payload = [self.rule_reward.score(generation, records, tag)]
         if dist.get_world_size(self.group) > 1:
             dist.broadcast_object_list(payload, src=self.source, group=self.group)
-        generation, results = payload[0]
+        results = payload[0]
         if self.reward_model is not None:
             rows = generation.response_tensors(self.pad_id)
             scores = self.reward_model.score(rows["input_ids"], rows["attention_mask"]).tolist()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from mcore_rl.runtime.devices import collective_device
 from mcore_rl.runtime.model_groups import ModelGroups
-from mcore_rl.runtime.regroup import gather_shares, one_share_per_key
+from mcore_rl.runtime.regroup import gather_ints, gather_tensor_shares, one_share_per_key
 from mcore_rl.training import compute_outputs
 
 from .actor import scoring_inputs
@@ -38,9 +38,8 @@ class Teacher:
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature if temperature > 0 else 1.0
         self.student_shard = student_shard
-        self.group_shards = [None] * dist.get_world_size(groups.model_parallel)
+        self.group_shards = gather_ints(student_shard, groups.model_parallel)
         """The student shard of each rank holding this copy of the teacher."""
-        dist.all_gather_object(self.group_shards, student_shard, group=groups.model_parallel)
         self.device = next(module.parameters()).device
         self.offload = offload and self.device.type != "cpu"
         if self.offload:
@@ -94,11 +93,11 @@ def pool_rows(inputs: dict[str, torch.Tensor], shard: int, shards: list[int], gr
     """The rows the ranks of `group` hold, each shard once in shard order (right-padded with
     zeros to the longest), and where this rank's rows (of `shard`) lie among them; `shards`:
     the shard of each rank of the group. Ranks of one shard hold the same rows. Without other
-    shards in the group the rows are this rank's own (no collective)."""
+    shards in the group the rows are this rank's own (no collective). The rows travel by tensor
+    collectives on the group's device (runtime/regroup.py), not pickled."""
     if len(set(shards)) == 1:
         return inputs, slice(0, inputs["input_ids"].shape[0])
-    host = {name: tensor.cpu() for name, tensor in inputs.items()}
-    by_shard = one_share_per_key(gather_shares(shard, host, group))
+    by_shard = one_share_per_key(gather_tensor_shares(shard, inputs, group))
     width = max(rows["input_ids"].shape[1] for rows in by_shard.values())
     order = sorted(by_shard)
     pooled = {name: torch.cat([torch.nn.functional.pad(

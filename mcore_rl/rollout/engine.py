@@ -45,9 +45,12 @@ class Completion:
     them."""
 
     logprobs: list[float]
-    """Log-prob of each response token under the distribution it was sampled from
-    (temperature, top-k and top-p applied; greedy: the model's own distribution); 0 on
-    observation tokens."""
+    """Log-prob of each response token under the model's whole tempered distribution, before
+    top-k/top-p truncation (what the trainer scores; greedy: the model's own distribution),
+    where the engine can report it: the Megatron engine always, vLLM at temperature 1 (its raw
+    log-probs) or without truncation; a vLLM engine started for processed log-probs reports
+    them renormalised over the kept tokens, one started for raw ones NaN at other
+    temperatures (`VllmEngine`). 0 on observation tokens."""
 
     finish_reason: str
     """"stop" (a stop token or string ended it) or "length" (max_new_tokens reached)."""
@@ -134,7 +137,7 @@ class Generation:
         tensors = {"input_ids": input_ids, "attention_mask": attention_mask,
                    "response_mask": response_mask, "engine_logprobs": engine_logprobs}
         routes = [c.routed_experts for c in self.completions]
-        if routes and all(route is not None for route in routes):
+        if any(route is not None for route in routes):
             tensors["routed_experts"] = _routes_by_row(routes, longest)
         return tensors
 
@@ -160,12 +163,15 @@ def prefill_counts(completions: Sequence[Completion]) -> dict[str, int]:
             "cached_prompt_tokens": sum(c.cached_tokens for c in completions)}
 
 
-def _routes_by_row(routes: list[torch.Tensor], longest: int) -> torch.Tensor:
+def _routes_by_row(routes: list[torch.Tensor | None], longest: int) -> torch.Tensor:
     """Per-completion engine routes as the batch field ``routed_experts`` [n, longest, MoE
-    layers, k], -1 where the engine computed no route (the last token, padding)."""
-    result = torch.full((len(routes), longest, *routes[0].shape[1:]), NO_ROUTE, dtype=torch.int16)
+    layers, k], -1 where the engine computed no route (the last token, padding, every token of
+    a completion without routes: its row is not replayed)."""
+    shape = next(route.shape[1:] for route in routes if route is not None)
+    result = torch.full((len(routes), longest, *shape), NO_ROUTE, dtype=torch.int16)
     for row, route in enumerate(routes):
-        result[row, :len(route)] = route
+        if route is not None:
+            result[row, :len(route)] = route
     return result
 
 
@@ -188,9 +194,10 @@ class SampleRequest:
     """The prompt's index in this engine instance's share of its batch, and"""
 
     sample_index: int
-    """which of the prompt's samples this is: with `sampling.seed` they fix the response's
-    random numbers, as `generate` fixes those of sample `sample_index` of prompt
-    `prompt_position` (the same request samples the same either way)."""
+    """which of the prompt's samples this is: with `sampling.seed` and the engine instance
+    they fix the response's random numbers (as `generate` fixes those of sample `sample_index`
+    at position `prompt_position` of the data shard whose key is the instance's index: the
+    same request samples the same either way in split placement)."""
 
 
 @dataclass(frozen=True)
@@ -224,9 +231,13 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 prompt_config: PromptConfig = PromptConfig()) -> Generation:
+                 prompt_config: PromptConfig = PromptConfig(),
+                 first_position: int = 0) -> Generation:
         """Sample `sampling.n` responses for each of this rank's prompts (lists of token ids).
-        Bad prompts or sampling parameters raise before any generation starts."""
+        first_position: the position of prompts[0] in this rank's data shard, when the prompts
+        are one part of it (rl/shard_parts.py): random draws follow the position, so a part
+        samples what generating the whole shard would. Bad prompts or sampling parameters
+        raise before any generation starts."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -253,8 +264,9 @@ class RolloutEngine(abc.ABC):
     """Whether the streaming interface below (add_requests, step, abort) is implemented."""
 
     instance_group = None
-    """The process group of the ranks that hold one engine instance together (rollout TP),
-    which must add the same requests at the same steps; None when a rank holds its own."""
+    """The process group of the ranks that hold one engine instance together (vLLM's rollout
+    TP, the Megatron engine's model-parallel group), which must bring the same requests; None
+    when a rank holds its own."""
 
     shard_key: int = 0
     """This rank's data shard: ranks of an instance with equal keys bring equal prompts."""

@@ -62,7 +62,8 @@ class MegatronEngine(RolloutEngine):
         self.device = next(module.parameters()).device
         self.params_dtype = next(module.parameters()).dtype
         here = training_rank()
-        self._group = training_group("mp")
+        self._group = self.instance_group = training_group("mp")
+        self.shard_key = here.dp_rank
         self._pp_group = training_group("pp")
         self._pp_last_rank = here.last_stage_rank
         self._padded_vocab = model.padded_vocab_size(here.tp_size)
@@ -73,15 +74,19 @@ class MegatronEngine(RolloutEngine):
 
     # -- generate --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 prompt_config: PromptConfig = PromptConfig()) -> Generation:
+                 prompt_config: PromptConfig = PromptConfig(),
+                 first_position: int = 0) -> Generation:
         if self._sleeping:
             raise EngineError("generate() called on a sleeping engine; call wake() first")
         started = time.perf_counter()
         requests = pool_requests(prompts, sampling, prompt_config, self.context_length,
-                                 self.model.vocab_size, self._dp_rank, self._group)
-        # The model-parallel group shares one data shard, hence one sampling config.
+                                 self.model.vocab_size, self._dp_rank, self._group,
+                                 first_position=first_position)
+        # The model-parallel group shares one data shard, hence one sampling config. Prompts
+        # are drawn for in one stream: a part of a shard (first_position > 0) gets its own.
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(_call_seed(sampling.seed, self.seed, self._dp_rank, self._calls))
+        generator.manual_seed((_call_seed(sampling.seed, self.seed, self._dp_rank, self._calls)
+                               + first_position * 104_729) % 2 ** 63)
         self._calls += 1
         rows = [(index, sample) for index in range(len(requests.prompts))
                 for sample in range(sampling.n)]

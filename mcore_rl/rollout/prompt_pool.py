@@ -37,14 +37,20 @@ class PooledRequests:
     mine: slice
     """This rank's prompts within `prompts`."""
 
+    origins: list[tuple[int, int]]
+    """(shard key, position in the shard) of each prompt: what its request's seed follows, so
+    that a prompt samples alike whichever instance, and with whichever others, generates it."""
+
     truncated: int
     """How many of this rank's prompts were truncated."""
 
 
 def pool_requests(prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                   prompt_config: PromptConfig, context_length: int, vocab_size: int,
-                  shard_key: int, group, engine_problems: Sequence[str] = ()) -> PooledRequests:
+                  shard_key: int, group, engine_problems: Sequence[str] = (),
+                  first_position: int = 0) -> PooledRequests:
     """Validate this rank's request, then pool the group's (`group` None: this rank alone).
+    first_position: the position of prompts[0] in its data shard (`RolloutEngine.generate`).
     Raises PromptError on every rank of the group if any rank's request is refused."""
     problems, prepared = list(engine_problems), None
     try:
@@ -55,9 +61,10 @@ def pool_requests(prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
     if group is None or dist.get_world_size(group) == 1:
         if problems:
             raise PromptError("; ".join(problems))
-        return PooledRequests(prepared.token_ids, [sampling] * len(prepared.token_ids),
-                              slice(0, len(prepared.token_ids)), prepared.truncated)
-    request = (prepared.token_ids if prepared else None, sampling)
+        count = len(prepared.token_ids)
+        return PooledRequests(prepared.token_ids, [sampling] * count, slice(0, count),
+                              _origins(shard_key, first_position, count), prepared.truncated)
+    request = (prepared.token_ids if prepared else None, sampling, first_position)
     shares = gather_shares(shard_key, (request, problems), group)
     messages = [f"rank {rank}: {problem}" for rank, _, (_, rank_problems) in shares
                 for problem in rank_problems]
@@ -68,12 +75,17 @@ def pool_requests(prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
         if rank_request != by_key[key][0]:
             raise PromptError(f"rank {rank} shares an engine and data shard {key} with an "
                               "earlier rank of its group but passed a different request")
-    pooled, samplings, slices = [], [], {}
-    for key, ((rank_prompts, rank_sampling), _) in by_key.items():
+    pooled, samplings, slices, origins = [], [], {}, []
+    for key, ((rank_prompts, rank_sampling, rank_first), _) in by_key.items():
         slices[key] = slice(len(pooled), len(pooled) + len(rank_prompts))
         pooled.extend(rank_prompts)
         samplings.extend([rank_sampling] * len(rank_prompts))
-    return PooledRequests(pooled, samplings, slices[shard_key], prepared.truncated)
+        origins.extend(_origins(key, rank_first, len(rank_prompts)))
+    return PooledRequests(pooled, samplings, slices[shard_key], origins, prepared.truncated)
+
+
+def _origins(shard_key: int, first_position: int, count: int) -> list[tuple[int, int]]:
+    return [(shard_key, first_position + offset) for offset in range(count)]
 
 
 def default_shard_key() -> int:

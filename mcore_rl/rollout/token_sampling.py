@@ -4,9 +4,10 @@ Both engines must sample the same distribution and report the same log-probs, or
 would silently change an RL run. vLLM's sampler (v1, `logprobs_mode="processed_logprobs"`) is the
 reference: temperature divides the logits; top-k keeps the k largest logits; top-p keeps the
 smallest set of most likely tokens whose probability reaches p (ties and the last token kept, as
-vLLM's `apply_top_k_top_p` does); the reported log-prob is that of the sampled token under the
-distribution it was drawn from. Greedy (temperature 0) takes the argmax and reports the model's
-log-prob of it. Megatron-Core's own TextGenerationController differs on each point (it cannot
+vLLM's `apply_top_k_top_p` does). The reported log-prob is the sampled token's under the whole
+tempered distribution, before top-k/top-p (what the trainer scores, so an importance weight
+against it corrects for the engine alone, not for the truncation: vLLM's raw log-probs at
+temperature 1). Greedy (temperature 0) takes the argmax and reports the model's log-prob of it. Megatron-Core's own TextGenerationController differs on each point (it cannot
 combine top-k and top-p, shifts the top-p mask, reports untempered log-probs, and can sample the
 vocabulary's padding rows), which is why the Megatron engine uses this sampler instead.
 """
@@ -46,7 +47,8 @@ def sample_next(logits: torch.Tensor, sampling: SamplingConfig,
         tokens = logits.argmax(dim=-1)
         logprobs = logits.log_softmax(dim=-1)
     else:
-        processed = truncate_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
-        logprobs = processed.log_softmax(dim=-1)
-        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+        tempered = logits / sampling.temperature
+        kept = truncate_logits(tempered, sampling.top_k, sampling.top_p).softmax(dim=-1)
+        tokens = torch.multinomial(kept, 1, generator=generator).squeeze(-1)
+        logprobs = tempered.log_softmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

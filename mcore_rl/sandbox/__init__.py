@@ -18,13 +18,14 @@ included) into the child, and so into every session's address space, which RLIMI
 
 What holds where a mechanism is missing: `Sandbox.mechanisms()`.
 
-One concern a file, imported one way only (client -> zygote -> session -> kernel, channel,
-limits, errors):
+One concern a file, imported one way only (client -> zygote -> session -> interpreter ->
+kernel, channel, limits, errors, user_code):
 - limits.py: SandboxLimits, what one session may use;
-- kernel.py: prctl, capabilities, user namespaces and Landlock through ctypes;
+- kernel.py: prctl, capabilities, user namespaces, Landlock and seccomp through ctypes;
 - channel.py: the rank's non-blocking end of a session's socket, plain-data unpickling;
 - session.py: a forked session's confinement and request loop;
-- interpreter.py: a fresh interpreter a session can exec (the python tool's);
+- interpreter.py: a fresh interpreter a session can exec (the python tool's), in a Landlock
+  domain of its own that reads neither `readable` nor the user's code;
 - zygote.py: the zygote's confinement, fork loop and reaping;
 - user_code.py: the user's code in a session as Python would load it (the script's objects by
   value, the code's folders readable);
@@ -36,14 +37,14 @@ Nothing here imports torch or mcore_rl.runtime at module level: the zygote impor
 zygote imported.
 
 Reused by the python tool (python_tool.py): `set_parent_death_signal`, `describe_status`,
-`fresh_interpreter`, `BASIC_ENVIRONMENT`.
+`fresh_interpreter`, `confine_interpreter`, `BASIC_ENVIRONMENT`.
 """
 
 from .client import Reply, Sandbox
-from .interpreter import fresh_interpreter
+from .interpreter import confine_interpreter, fresh_interpreter
 from .kernel import describe_status, set_parent_death_signal
 from .limits import BASIC_ENVIRONMENT, SandboxLimits
 from .zygote import zygote_main
 
-__all__ = ["BASIC_ENVIRONMENT", "Reply", "Sandbox", "SandboxLimits", "describe_status",
-           "fresh_interpreter", "set_parent_death_signal", "zygote_main"]
+__all__ = ["BASIC_ENVIRONMENT", "Reply", "Sandbox", "SandboxLimits", "confine_interpreter",
+           "describe_status", "fresh_interpreter", "set_parent_death_signal", "zygote_main"]

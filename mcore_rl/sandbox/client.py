@@ -161,7 +161,8 @@ class Sandbox:
 
     def start(self) -> None:
         """Start and confine the zygote now (the first open does it otherwise). Raises when
-        network is off and neither a network namespace nor Landlock can deny it."""
+        network is off and neither a network namespace nor Landlock can deny it, and when
+        Landlock does not work unless limits.allow_unconfined."""
         if not self._finalizer.alive:
             raise RuntimeError(f"the {self.name} sandbox is shut down")
         if self._processes.zygote is not None:
@@ -196,6 +197,11 @@ class Sandbox:
         self._processes.control = Connection(ours.detach())
         ready = self._await_ready()
         self._mechanisms = ready["mechanisms"]
+        if ready["unconfined"]:
+            logger.warning("the %s sandbox: reads and writes are not confined: Landlock does "
+                           "not work here (%s) and allow_unconfined is set, so its sessions "
+                           "may read and write whatever their user may (file permissions only)",
+                           self.name, ready["unconfined"])
         if ready["out_of_reach"]:
             logger.warning("the %s sandbox: %s", self.name,
                            out_of_reach_note(ready["out_of_reach"]))
@@ -219,14 +225,17 @@ class Sandbox:
         """Which guarantees hold: {"network": "netns" | "seccomp" (no new socket) | "landlock"
         (TCP only) | "allowed", "sockets": "seccomp" (socket(2) fails, UDP and the host's Unix
         sockets included) | "namespaced" (only a network namespace or Landlock) | "allowed",
-        "filesystem": "landlock" (writes only beneath the session's directory, reads only
-        there, in the system's folders, the Python installation, the code on the import path
-        and `readable`) | "permissions" (whatever the user may read and write), "processes":
-        "rlimit-nproc" (per session) | "rlimit-nproc-shared" (one count for all sessions) |
-        "none" (root), "user": "nobody" | "root" | the user's name, "signals":
-        "landlock-scope" (no signal, ptrace or abstract Unix socket reaches outside the
-        session) | "uid" (only uids keep sessions from signalling each other, and - when the
-        rank is not root - the rank)}. Starts the zygote if needed."""
+        "io_uring": "seccomp" (its calls fail with ENOSYS: its IORING_OP_SOCKET would bypass
+        the socket rule) | "allowed" (a machine the filter does not know), "filesystem":
+        "landlock" (writes only beneath the session's directory, reads only there, in the
+        system's folders, the Python installation, the code on the import path and `readable`;
+        the python tool's interpreter reads fewer: interpreter.py) | "unconfined" (Landlock
+        does not work and limits.allow_unconfined allowed running so: whatever the user may
+        read and write), "processes": "rlimit-nproc" (per session) | "rlimit-nproc-shared" (one
+        count for all sessions) | "none" (root), "user": "nobody" | "root" | the user's name,
+        "signals": "landlock-scope" (no signal, ptrace or abstract Unix socket reaches outside
+        the session) | "uid" (only uids keep sessions from signalling each other, and - when
+        the rank is not root - the rank)}. Starts the zygote if needed."""
         self.start()
         return dict(self._mechanisms)
 

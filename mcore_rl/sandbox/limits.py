@@ -46,13 +46,15 @@ class SandboxLimits:
     readable: tuple[str, ...] = ()
     """Folders and files sessions may read besides the system's folders (/usr, /lib, /etc,
     /dev, /proc, /sys), the Python installation, the code on the import path and their own
-    directory (Landlock; where it is missing, what the user may read)."""
+    directory (Landlock). The session's own code only: the python tool's interpreter reads
+    none of them, nor the code (interpreter.py)."""
 
-    code_data: bool = True
-    """Whether the folders of the user's code (the import path's, editable packages) are
-    readable whole, data files beside a module included, or only their modules and packages:
-    where model-written code runs in the sessions too (the python tool), so that it does not
-    read the dataset beside a script."""
+    allow_unconfined: bool = False
+    """Whether the sandbox may run where Landlock does not work (an old kernel, a container that
+    filters the landlock_* calls): sessions then read and write whatever their user may (file
+    permissions only; network and process limits still hold), the rank logs so once and
+    `mechanisms()` reports filesystem "unconfined". False: the sandbox refuses to start there,
+    since nothing else keeps model-written code from the machine's files."""
 
     def __post_init__(self):
         for name in ("timeout_seconds", "memory_mb", "cpu_seconds", "max_file_mb"):

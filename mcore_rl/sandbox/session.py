@@ -10,9 +10,12 @@ counts its own processes only, though all run as the same uid), no capabilities,
 (after the user namespace, whose uid_map it could not write otherwise): writes only beneath its
 own subdirectory, reads only there and in the system's folders, the Python installation and the
 code on the import path (zygote._open_readable), TCP bind/connect denied when network is off,
-no signal, ptrace or abstract Unix socket reaching outside the session; with network off, a
-seccomp filter that fails every socket(2) (UDP and the host's Unix sockets too); rlimits
-(address space, file size, processes, CPU time per call, no core files); PDEATHSIG.
+no signal, ptrace or abstract Unix socket reaching outside the session; a seccomp filter that
+fails io_uring (whose operations open sockets past the socket(2) rule) and, with network off,
+every socket(2) (UDP and the host's Unix sockets too); rlimits (address space, file size,
+processes, CPU time per call, no core files); PDEATHSIG. The python tool's fresh interpreters
+add a Landlock layer of their own below it (interpreter.py): the session's `readable` and the
+user's code are the environment's, not the model's.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from typing import Any
 
 from .channel import MAX_MESSAGE_BYTES, load_plain_data
 from .errors import describe_exception
-from .kernel import (PR_SET_DUMPABLE, _check, _libc, deny_new_sockets, drop_capabilities,
-                     enter_user_namespace, restrict_files, set_parent_death_signal)
+from .interpreter import enter_session
+from .kernel import (PR_SET_DUMPABLE, _check, _libc, drop_capabilities, enter_user_namespace,
+                     filter_system_calls, restrict_files, set_parent_death_signal)
 from .limits import SandboxLimits
 
 
@@ -43,9 +47,12 @@ class _Confinement:
     """Sessions can enter user namespaces of their own (exact per-session RLIMIT_NPROC)."""
 
     landlock: int
-    """Landlock ABI (0: none)."""
+    """Landlock ABI (0: none, where allow_unconfined allows it)."""
 
     deny_tcp: bool
+
+    filter_calls: bool
+    """The seccomp filter knows this machine: no session uses io_uring (kernel.py)."""
 
     deny_sockets: bool
     """Network off and the seccomp filter knows this machine: no session creates a socket."""
@@ -93,8 +100,9 @@ def _confine_session(directory: str, limits: SandboxLimits, confinement: _Confin
     if confinement.landlock:
         restrict_files(directory, confinement.readable, confinement.landlock,
                        confinement.deny_tcp)
-    if confinement.deny_sockets:
-        deny_new_sockets()
+    enter_session(directory, confinement.landlock)
+    if confinement.filter_calls:
+        filter_system_calls(confinement.deny_sockets)
     _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
     os.chdir(directory)
     os.environ.update(HOME=directory, TMPDIR=directory)

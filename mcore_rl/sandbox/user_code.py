@@ -15,8 +15,8 @@ two things do not come for free:
 - **The folders the code lives in.** Landlock lets a session read only what the zygote named:
   every folder on the rank's `sys.path` and every package the rank imported from outside them
   (an editable install's finder puts none on the path), each whole and read-only, so that a
-  module may read the data file beside it (where model-written code runs in the sessions too,
-  only their code: SandboxLimits.code_data). Under root the sessions run as nobody, who may not
+  module may read the data file beside it (model-written code reads none of it: the python
+  tool's interpreter has a Landlock domain of its own). Under root the sessions run as nobody, who may not
   enter a folder only root may (/root, a mkdtemp folder): there the zygote stays root and says
   so (zygote.py, step 2) rather than fail the user's import.
 

@@ -19,7 +19,12 @@ zygote never starts a thread; it checks for its parent's death in its loop inste
    TCP, UDP or abstract Unix socket reaches the host. Where user namespaces are blocked (Docker's
    default seccomp profile, Ubuntu's apparmor_restrict_unprivileged_userns) Landlock's TCP rules
    are the fallback (TCP only);
-4. it becomes undumpable (no session may ptrace it), a child subreaper that kills every orphan
+4. it checks that Landlock works (the kernel has it and a child can add a layer): without it
+   the sessions could read whatever their user may (checkpoints, home folders, other episodes'
+   folders), so the zygote refuses to start, unless SandboxLimits.allow_unconfined allows
+   running so (the rank then says so once, and `mechanisms()` reports filesystem
+   "unconfined"). Network confinement has its fallbacks (step 3); reads have none;
+5. it becomes undumpable (no session may ptrace it), a child subreaper that kills every orphan
    reparented to it (a dead session's children), and sets PR_SET_PDEATHSIG(SIGTERM) after the
    setuid (which clears it): when the rank dies it kills its sessions, removes the directory and
    exits (it also checks every ORPHAN_CHECK_SECONDS whether the rank is still its parent).
@@ -38,10 +43,10 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recv_handle
 
 from .errors import describe_exception
-from .kernel import (CLONE_NEWNET, LANDLOCK_READ_RIGHTS, NOBODY, PR_SET_CHILD_SUBREAPER,
-                     PR_SET_DUMPABLE, READ_DIR, READ_FILE, _check, _libc, can_deny_new_sockets,
-                     drop_capabilities, enter_user_namespace, landlock_abi,
-                     set_parent_death_signal)
+from .kernel import (CLONE_NEWNET, NOBODY, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE,
+                     SIMULATE_NO_LANDLOCK, _check, _libc, can_filter_system_calls,
+                     drop_capabilities, enter_user_namespace, landlock_abi, read_rights,
+                     restrict_files, set_parent_death_signal)
 from .interpreter import open_interpreter
 from .limits import SandboxLimits
 from .session import _Confinement, _run_session
@@ -76,8 +81,8 @@ def zygote_main(setup: dict) -> None:
     signal.signal(signal.SIGTERM, on_parent_death)
     zygote = None
     try:
-        confinement, out_of_reach = _confine_zygote(directory, setup["limits"],
-                                                    setup["code_folders"])
+        confinement, out_of_reach, unconfined = _confine_zygote(directory, setup["limits"],
+                                                                setup["code_folders"])
         # confined already: the user's import-time code runs confined too
         if setup["main_objects"]:
             bind_main_objects(setup["main_objects"])
@@ -85,7 +90,7 @@ def zygote_main(setup: dict) -> None:
             importlib.import_module(module)
         _check_room_for_sessions(setup["limits"].memory_mb)
         control.send(("ready", {"mechanisms": confinement.mechanisms,
-                                "out_of_reach": out_of_reach}))
+                                "out_of_reach": out_of_reach, "unconfined": unconfined}))
         zygote = _Zygote(control, parent, directory, setup["limits"], confinement)
         zygote.serve()
     except _RankGone:
@@ -110,11 +115,12 @@ def out_of_reach_note(out_of_reach: list[str]) -> str:
 
 
 def _confine_zygote(directory: str, limits: SandboxLimits, code_folders: list[str]
-                    ) -> tuple[_Confinement, list[str]]:
-    """Steps 1-4 of the module docstring (Landlock is each session's: a layer here would forbid
-    the sessions' writing their uid_map), and what kept the zygote root (_closed_to_nobody).
-    Raises when the directory is out of the new user's reach, or network is off and nothing can
-    deny it."""
+                    ) -> tuple[_Confinement, list[str], str]:
+    """Steps 1-5 of the module docstring (Landlock is each session's: a layer here would forbid
+    the sessions' writing their uid_map), what kept the zygote root (_closed_to_nobody), and why
+    reads are unconfined ("" when Landlock confines them). Raises when the directory is out of
+    the new user's reach, network is off and nothing can deny it, or Landlock does not work
+    and allow_unconfined is off."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the rank, which stops us
     os.chdir(directory)
     os.environ.update(HOME=directory, TMPDIR=directory)
@@ -122,7 +128,7 @@ def _confine_zygote(directory: str, limits: SandboxLimits, code_folders: list[st
     _check_room_for_sessions(limits.memory_mb)
     path_descriptors = {entry: os.open(entry, os.O_PATH | os.O_DIRECTORY)
                         for entry in sys.path if entry and os.path.isdir(entry)}
-    readable = _open_readable(limits.readable, code_folders, limits.code_data)
+    readable = _open_readable(limits.readable, code_folders)
     open_interpreter()  # the python tool's fresh interpreters
     out_of_reach = [] if os.getuid() else _closed_to_nobody((*limits.readable, *code_folders))
     user = _become_nobody(directory) if os.getuid() == 0 and not out_of_reach else \
@@ -136,8 +142,22 @@ def _confine_zygote(directory: str, limits: SandboxLimits, code_folders: list[st
     # mapping root into a session's namespace needs CAP_SETFCAP, which the zygote gave up
     own_user_namespaces &= user != "root"
     abi = landlock_abi()
+    unconfined = _landlock_failure(directory, abi)
+    if unconfined:
+        if not limits.allow_unconfined:
+            raise RuntimeError(
+                f"Landlock does not work here ({unconfined}), and without it the sandbox cannot "
+                "keep its processes from reading what their user may (checkpoints, home "
+                "folders, other episodes' folders, the rank's temporary files); run on a kernel "
+                "with Landlock (Linux >= 5.13 with landlock in its lsm= list, and a container "
+                "runtime that does not filter the landlock_* calls), or, to run with reads "
+                "limited by file permissions only, set allow_unconfined: true in this "
+                "sandbox's settings (rollout.multi_turn.sandbox.allow_unconfined; "
+                "SandboxLimits.allow_unconfined)")
+        abi = 0
     deny_tcp = not limits.network and abi >= 4
-    deny_sockets = not limits.network and can_deny_new_sockets()
+    filter_calls = can_filter_system_calls()
+    deny_sockets = not limits.network and filter_calls
     if network == "none" and not limits.network:
         if not (deny_tcp or deny_sockets):
             raise RuntimeError(
@@ -156,11 +176,37 @@ def _confine_zygote(directory: str, limits: SandboxLimits, code_folders: list[st
     mechanisms = {"network": network,
                   "sockets": "seccomp" if deny_sockets else "allowed" if limits.network
                   else "namespaced",
-                  "filesystem": "landlock" if abi else "permissions",
+                  "io_uring": "seccomp" if filter_calls else "allowed",
+                  "filesystem": "landlock" if abi else "unconfined",
                   "processes": processes, "user": user,
                   "signals": "landlock-scope" if abi >= 6 else "uid"}
-    return _Confinement(mechanisms, own_user_namespaces, abi, deny_tcp, deny_sockets,
-                        list(readable.values())), out_of_reach
+    return _Confinement(mechanisms, own_user_namespaces, abi, deny_tcp, filter_calls,
+                        deny_sockets, list(readable.values())), out_of_reach, unconfined
+
+
+def _landlock_failure(directory: str, abi: int) -> str:
+    """Why Landlock cannot confine the sessions here, in words; "" when it can. A kernel may
+    report an ABI and still refuse a layer (a container's seccomp profile filtering
+    landlock_restrict_self), so a child adds one, as each session will, and exits."""
+    if not abi:
+        return (f"{SIMULATE_NO_LANDLOCK} is set" if os.environ.get(SIMULATE_NO_LANDLOCK) else
+                "this kernel reports no Landlock ABI")
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            restrict_files(directory, [], abi, deny_tcp=False)
+        except OSError as error:
+            code = error.errno or 255
+        except BaseException:
+            code = 255
+        finally:
+            os._exit(code)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code == 0:
+        return ""
+    reason = os.strerror(code) if 0 < code < 255 else f"exit code {code}"
+    return f"adding a Landlock layer (ABI {abi}) failed: {reason}"
 
 
 SYSTEM_READABLE = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/dev", "/proc",
@@ -168,34 +214,17 @@ SYSTEM_READABLE = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", 
 """What programs read: libraries, configuration, devices (null, urandom), their own /proc."""
 
 
-def _open_readable(extra: tuple[str, ...], code_folders: list[str], code_data: bool
+def _open_readable(extra: tuple[str, ...], code_folders: list[str]
                    ) -> dict[str, tuple[int, int]]:
     """Path -> (descriptor, Landlock read rights) of what sessions may read, opened before the
     user changes: the system's folders, the Python installation, `extra`, and where the user's
-    code lives (user_code.code_folders: the import path's folders, editable packages): whole
-    with `code_data`, else only a folder's listing, modules and packages (not the data files
-    beside them)."""
+    code lives (user_code.code_folders: the import path's folders, editable packages), whole:
+    a module may read the data beside it (model-written code reads none of them: the python
+    tool's interpreter has a Landlock domain of its own, interpreter.py)."""
     roots = [*SYSTEM_READABLE, *{sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                 sys.base_exec_prefix}, *extra]
-    targets = {os.path.realpath(root): _rights(root) for root in roots if os.path.exists(root)}
-    for folder in code_folders:
-        if code_data or not os.path.isdir(folder) or _is_package(folder):
-            targets.setdefault(folder, _rights(folder))
-            continue
-        targets.setdefault(folder, READ_DIR)
-        for name in os.listdir(folder):
-            path = os.path.join(folder, name)
-            if name == "__pycache__" or _is_package(path) or name.endswith((".py", ".pyc", ".so")):
-                targets.setdefault(path, _rights(path))
+                                 sys.base_exec_prefix}, *extra, *code_folders]
+    targets = {os.path.realpath(root): read_rights(root) for root in roots if os.path.exists(root)}
     return {path: (os.open(path, os.O_PATH), rights) for path, rights in targets.items()}
-
-
-def _rights(path: str) -> int:
-    return LANDLOCK_READ_RIGHTS if os.path.isdir(path) else READ_FILE
-
-
-def _is_package(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "__init__.py"))
 
 
 def _closed_to_nobody(places: tuple[str, ...]) -> list[str]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -378,7 +379,8 @@ def save_training_state(root: str, step: int, models: dict[str, TrainableModel],
     """Collective: write the checkpoint of `step` under `root` and return its path.
 
     `models` maps role names ("actor", "critic") to TrainableModels; `state` is the trainer's
-    picklable state, identical on every rank (rank 0's copy is written); `rank_state` is this
+    state, plain data (numbers, strings, lists, dicts, tensors: read back weights-only),
+    identical on every rank (rank 0's copy is written); `rank_state` is this
     rank's own picklable state (saved per rank). Each rank's RNG states
     are captured during the call, so call it where a resumed run should continue: after the
     step's updates, before anything of the next step draws random numbers. The checkpoint
@@ -508,12 +510,29 @@ def load_latest_training_state(root: str, models: dict[str, TrainableModel]
     if path is None:
         return None
     marker, layout = read_marker(path), _layout()
+    # Not weights_only: this rank's file holds numpy's RNG state (an ndarray) and its
+    # `rank_state`, a rollout generated ahead (rollout.async_rollout: our dataclasses around the
+    # dataset's rows, whatever types those hold), which the weights-only unpickler refuses.
+    # It is read only from a checkpoint this job's own ranks wrote under runtime.output_dir.
     per_rank = torch.load(_rng_path(path, _rank()), weights_only=False)
     _raise_together(compatibility_problems(path, marker, sorted(models), layout, _bases(models))
                     + _rank_state_problems(path, marker, layout, per_rank["rank_state"]))
     for role in sorted(models):
         _load_role(os.path.join(path, role), models[role], marker["optimizer_state"][role])
-    state = torch.load(os.path.join(path, TRAINER_STATE_FILE), weights_only=False)
+    state = read_trainer_state(os.path.join(path, TRAINER_STATE_FILE))
     _barrier()
     set_rng_states(per_rank["rng"])
     return marker["step"], dict(state, rank_state=per_rank["rank_state"])
+
+
+def read_trainer_state(path: str) -> dict:
+    """The trainer's state saved at `path`: plain data (numbers, strings, lists, dicts,
+    tensors), so it is read with the weights-only unpickler, which runs no code a crafted or
+    corrupted file could carry. A state that needs more is refused, naming the file."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        raise ValueError(f"{path}: the trainer state holds objects other than tensors and plain "
+                         f"containers ({found.group(1) if found else error}), which are not "
+                         "unpickled: they could run code") from error

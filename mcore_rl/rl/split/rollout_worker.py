@@ -74,10 +74,8 @@ class RolloutWorker:
             minutes=config.runtime.collective_timeout_minutes))
         self.outbox = Outbox(self.split.messages)
         self.book = InstanceBook()
-        self.timer = PhaseTimer()
-        self.timeline = Timeline(config.runtime.output_dir, ROLLOUT_TIMELINE_FILE,
-                                 first_rank=launch.world_size - dist.get_world_size(),
-                                 group=self.split.side_group)
+        self._start_timeline(config.runtime.output_dir,
+                             launch.world_size - dist.get_world_size(), self.split.side_group)
         self.version: int | None = None
         """The policy version of the engine's weights (None before the first)."""
         self.next_batch = 0
@@ -89,6 +87,14 @@ class RolloutWorker:
         self.syncs: list[tuple[float, float, float]] = []
         """Weight syncs since this instance's last share: (bytes, seconds, peak MB), maxima
         over the rollout ranks."""
+
+    def _start_timeline(self, output_dir: str, first_rank: int, group) -> None:
+        """The phase timer and the timeline of the rollout ranks. The timer is exclusive: a
+        rank does one thing at a time, and the reshard or scoring that runs between the engine
+        steps of an episode batch pauses its generate interval instead of overlapping it."""
+        self.timer = PhaseTimer(exclusive=True)
+        self.timeline = Timeline(output_dir, ROLLOUT_TIMELINE_FILE, first_rank=first_rank,
+                                 group=group)
 
     def run(self) -> int:
         """Serve the trainers until they say stop; returns the exit status they give. An error
@@ -118,7 +124,7 @@ class RolloutWorker:
             busy = self._generate()
 
     def close(self) -> None:
-        self.timeline.record(self.version or 0, self.timer.intervals)
+        self.timeline.record(self.version or 0, self.timer.hand_over())
         self.timeline.close()
         if self.scorer is not None:
             self.scorer.close()
@@ -156,10 +162,13 @@ class RolloutWorker:
             self._open_evaluation(message.version)
 
     def _receive_weights(self, version: int) -> None:
-        if self.version is not None:
-            self.timeline.record(self.version, self.timer.intervals)
-            self.timer = PhaseTimer()
+        """Load the weights of `version`. The timeline records the intervals of the version
+        held so far as its step; an episode batch still generating (weights taken between its
+        engine steps) is paused by the reshard: its part so far goes to that step, the rest to
+        the new version's when it ends."""
         with self.timer("reshard"):
+            if self.version is not None:
+                self.timeline.record(self.version, self.timer.hand_over())
             figures = self.weight_sync.sync({})
         largest = torch.tensor([figures.bytes_received, figures.seconds, figures.peak_extra_mb],
                                dtype=torch.float64)
