@@ -221,7 +221,8 @@ def test_an_episode_batch_taking_new_weights_keeps_its_generate_interval(tmp_pat
     import time
     from types import SimpleNamespace
 
-    from mcore_rl.observability.timeline import ROLLOUT_TIMELINE_FILE
+    from mcore_rl.observability.step_metrics import PhaseTimer
+    from mcore_rl.observability.timeline import ROLLOUT_TIMELINE_FILE, Timeline
     from mcore_rl.rl.split import rollout_worker
     from mcore_rl.rl.split.protocol import Weights
 
@@ -235,7 +236,8 @@ def test_an_episode_batch_taking_new_weights_keeps_its_generate_interval(tmp_pat
     monkeypatch.setattr(rollout_worker, "shutdown", lambda: None)
     messages = [Weights(4)]
     worker = object.__new__(rollout_worker.RolloutWorker)
-    worker._start_timeline(str(tmp_path), 0, None)
+    worker.timer = PhaseTimer(exclusive=True)  # as RolloutWorker.__init__ makes them
+    worker.timeline = Timeline(str(tmp_path), ROLLOUT_TIMELINE_FILE, first_rank=0, group=None)
     nothing = lambda *args, **kwargs: None  # noqa: E731
     worker.config = SimpleNamespace(rollout=SimpleNamespace(
         update_check_steps=1, partial_rollout="continue"), data=SimpleNamespace(

@@ -74,8 +74,12 @@ class RolloutWorker:
             minutes=config.runtime.collective_timeout_minutes))
         self.outbox = Outbox(self.split.messages)
         self.book = InstanceBook()
-        self._start_timeline(config.runtime.output_dir,
-                             launch.world_size - dist.get_world_size(), self.split.side_group)
+        # Exclusive: a rank does one thing at a time, and the reshard or scoring that runs
+        # between the engine steps of an episode batch pauses its generate interval.
+        self.timer = PhaseTimer(exclusive=True)
+        self.timeline = Timeline(config.runtime.output_dir, ROLLOUT_TIMELINE_FILE,
+                                 first_rank=launch.world_size - dist.get_world_size(),
+                                 group=self.split.side_group)
         self.version: int | None = None
         """The policy version of the engine's weights (None before the first)."""
         self.next_batch = 0
@@ -87,14 +91,6 @@ class RolloutWorker:
         self.syncs: list[tuple[float, float, float]] = []
         """Weight syncs since this instance's last share: (bytes, seconds, peak MB), maxima
         over the rollout ranks."""
-
-    def _start_timeline(self, output_dir: str, first_rank: int, group) -> None:
-        """The phase timer and the timeline of the rollout ranks. The timer is exclusive: a
-        rank does one thing at a time, and the reshard or scoring that runs between the engine
-        steps of an episode batch pauses its generate interval instead of overlapping it."""
-        self.timer = PhaseTimer(exclusive=True)
-        self.timeline = Timeline(output_dir, ROLLOUT_TIMELINE_FILE, first_rank=first_rank,
-                                 group=group)
 
     def run(self) -> int:
         """Serve the trainers until they say stop; returns the exit status they give. An error
