@@ -6,8 +6,8 @@ Megatron engine). Where the shard's ranks hold several instances (rollout_tp bel
 context parallelism, pipeline stages), each used to generate the whole shard and all copies
 but one were dropped: CP2 at rollout_tp=1 generated twice, and called the tools and APIs of
 agents twice. Instead the instances split the shard's prompts in contiguous parts, each
-generates its part, and the parts are joined on every rank of the shard (one object gather;
-completions are Python objects). Instances are told apart by their first rank, learnt once.
+generates its part, and the parts are joined on every rank of the shard (runtime/regroup.py's
+gather; completions are Python objects). Instances are told apart by their first rank, learnt once.
 Random draws follow a prompt's position in the shard (`RolloutEngine.generate`'s
 first_position), so a part samples what generating the whole shard would have.
 
@@ -23,6 +23,7 @@ import dataclasses
 import torch.distributed as dist
 
 from mcore_rl.rollout import Completion, Generation, RolloutEngine, prefill_counts
+from mcore_rl.runtime.regroup import gather_ints, gather_shares, one_share_per_key
 
 
 class ShardParts:
@@ -34,14 +35,10 @@ class ShardParts:
         instance = dist.get_process_group_ranks(group)[0] if group is not None \
             else dist.get_rank()
         self.group = shard_group
-        size = dist.get_world_size(shard_group)
-        instances = [instance]
-        if size > 1:
-            instances = [None] * size
-            dist.all_gather_object(instances, instance, group=shard_group)
-        self.count = len(dict.fromkeys(instances))
+        instances = list(dict.fromkeys(gather_ints(instance, shard_group)))
+        self.count = len(instances)
         """Engine instances among the shard's ranks."""
-        self.index = list(dict.fromkeys(instances)).index(instance)
+        self.index = instances.index(instance)
         """This rank's instance among them (the part it generates)."""
 
     def splits(self, items: list) -> bool:
@@ -62,11 +59,9 @@ class ShardParts:
         where the shard's ranks hold several instances)."""
         if self.count == 1:  # one instance: its ranks already hold the same generation
             return part
-        parts = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(parts, (self.index, part), group=self.group)
-        by_index: dict[int, Generation] = {}
-        for index, generation in sorted(parts, key=lambda entry: entry[0]):
-            by_index.setdefault(index, generation)  # an instance's ranks hold the same part
+        # An instance's ranks hold the same part: each counts once.
+        by_index = dict(sorted(one_share_per_key(
+            gather_shares(self.index, part, self.group)).items()))
         if not self.splits(range(total)):
             return by_index[0]
         completions: list[Completion] = []
