@@ -88,6 +88,9 @@ SmolLM2's 16 x <= 256 tokens, each micro-batch cut to its own longest row."""
 
 VARIANTS = {
     "ours": {},
+    "ours-before": {"rollout": {"old_logprobs": "trainer"},
+                    "actor": {"max_tokens_per_micro_batch": 0, "micro_batch_size": 16}},
+    "ours-trainer-logp": {"rollout": {"old_logprobs": "trainer"}},
     "ours-engine-logp": {"rollout": {"old_logprobs": "engine"}},
     "ours-token-budget": {"actor": {"max_tokens_per_micro_batch": TOKEN_BUDGET}},
     "ours-best": {"rollout": {"old_logprobs": "engine"},
@@ -101,7 +104,10 @@ VARIANTS = {
                                    "lora": {"enabled": True, "rank": 16, "alpha": 32}}},
 }
 """mcore_rl sides: a name and the config sections it changes (`--sides ours,ours-engine-logp`
-measures one change alone, before/after in one run; ours-best is every change together;
+measures one change alone, before/after in one run; `ours` runs the package's defaults (old
+log-probs from the update's forward pass, token-budget micro-batches derived from the length
+limits); ours-before the defaults before issue 64 (a separate old-log-prob pass, one
+micro-batch of all 16 rows of the smollm2 regime at 1 rank); ours-best is every change together;
 ours-best-megatron-engine generates with the trainer's own model instead of vLLM; the lora
 sides train adapters of that rank on every linear (actor.lora, alpha = 2 x rank), with
 --lora-lr as their learning rate where the regime trains)."""
@@ -245,8 +251,7 @@ def run_ours(regime: str, seed: int, out_dir: str, args, variant: str = "ours") 
                       "clip_ratio_high": args.clip, "loss_aggregation": "token-mean",
                       "use_kl_loss": args.beta > 0, "kl_coef": args.beta,
                       "kl_estimator": "k3"},
-        "actor": {"micro_batch_size": rows_per_rank,
-                  "optimizer": {"lr": s["lr"], "lr_decay_style": "constant",
+        "actor": {"optimizer": {"lr": s["lr"], "lr_decay_style": "constant",
                                 "weight_decay": 0.0, "clip_grad": 1.0}},
         "rollout": {"engine": "vllm", "prompts_per_step": s["prompts_per_step"],
                     "sampling": {"n": s["n"], "temperature": 1.0,
@@ -259,6 +264,10 @@ def run_ours(regime: str, seed: int, out_dir: str, args, variant: str = "ours") 
                     "tensorboard": False, "plots": False},
         "runtime": {"output_dir": out_dir, "seed": seed, "precision": args.precision},
     }
+    if args.model == "toy":
+        # The toy rows are 12 tokens: the default budget (2 rows of the longest sequence) would
+        # time Python per micro-batch, not the update. SmolLM2 runs the defaults.
+        config["actor"]["micro_batch_size"] = rows_per_rank
     for section, values in VARIANTS[variant].items():
         config[section].update(values)
     if "lora" in config["actor"] and s["lr"]:

@@ -96,11 +96,12 @@ def test_seed_python_loop_learns_a_reward_that_reads_the_prompt(tmp_path, tokeni
 
 
 def seeded_steps(tmp_path, tokenizer_dir, name: str, world: int, extra: list[str]) -> list:
-    """The metrics of two seeded GRPO steps (world 1 unless said): the second samples
-    from the updated weights."""
+    """The metrics of two seeded GRPO steps with a KL loss to the reference (world 1 unless
+    said): the second samples from the updated weights."""
     from rl_worker import train_steps
 
     overrides = extra + ["actor.micro_batch_size=64", f"data.tokenizer={tokenizer_dir}",
+                         "algorithm.use_kl_loss=true",
                          f"runtime.output_dir={tmp_path / name}", "trainer.total_steps=2",
                          "trainer.eval_every=0", "trainer.plots=false"]
     run_world(world, train_steps, str(tmp_path / f"{name}.pt"), overrides, 2)
@@ -134,13 +135,30 @@ def test_engine_old_logprobs_train_like_trainer_old_logprobs(tmp_path, tokenizer
     assert all("rollout/logprob_abs_diff_max" not in step for step in bypass)
 
 
+def test_update_old_logprobs_equal_a_separate_pass(tmp_path, tokenizer_dir, one_rank_steps):
+    """rollout.old_logprobs=update (auto's choice for one optimizer step per batch) takes the
+    old log-probs from the update's own forward pass instead of a pass before it: the same
+    policy on the same rows, so two seeded steps (the second sampling from the updated
+    weights) give every metric of the separate pass, the loss, gradient norm, the
+    engine/trainer mismatch, the KL to the reference, to 1e-6, and no logprobs phase time."""
+    own = seeded_steps(tmp_path, tokenizer_dir, "update", 1, ["rollout.old_logprobs=update"])
+    for exact, update in zip(one_rank_steps, own, strict=True):
+        compared = [name for name in exact if not name.startswith(("time/", "throughput/",
+                                                                   "memory/"))]
+        assert set(compared) <= set(update)
+        for name in compared:
+            assert update[name] == pytest.approx(exact[name], rel=1e-6, abs=1e-9), name
+        assert "actor/kl_to_reference" in compared and "rollout/logprob_abs_diff_max" in compared
+        assert update["time/logprobs"] < exact["time/logprobs"]
+
+
 def test_context_parallel_run_matches_one_rank(tmp_path, tokenizer_dir, one_rank_steps):
     """GRPO at CP2 (world of 2: both ranks hold two of four chunks of every sequence) through
     vLLM, step for step the world-1 run: rank 0's engine samples what the one-rank engine
     samples (same seed, same weights after each update), its CP peer adopts them, and the
     trainer's log-probs and update equal one rank's."""
     split = seeded_steps(tmp_path, tokenizer_dir, "cp2", 2, [
-        "rollout.old_logprobs=trainer", "parallel.context_parallel_size=2"])
+        "rollout.old_logprobs=update", "parallel.context_parallel_size=2"])
     assert_same_steps(one_rank_steps, split)
     for step in split:  # the trainer scored what the engine sampled (fp32)
         assert step["rollout/logprob_abs_diff_max"] < 1e-4

@@ -150,7 +150,7 @@ def test_on_policy_gap_is_nan_when_the_trained_version_sampled_no_token(tmp_path
 
     from mcore_rl.observability.run_files import read_jsonl
     from mcore_rl.observability.step_metrics import MetricsLogger
-    from mcore_rl.rl.step_statistics import token_staleness
+    from mcore_rl.rl.step_statistics import off_policy_statistics, old_logprob_statistics
 
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
     batch = {"input_ids": torch.zeros(1, 3), "old_logprobs": old,
@@ -159,7 +159,8 @@ def test_on_policy_gap_is_nan_when_the_trained_version_sampled_no_token(tmp_path
     rollout = Rollout([], [], Generation([Completion(0, 0, [1, 2], [0.0, 0.0], "stop")],
                                          [[7]]), [], version=3)
     stats = SumsAndCounts()
-    token_staleness(batch, rollout, 4, stats)  # version 3 sampled every token, 4 is trained
+    off_policy_statistics(batch, rollout, 4, stats)  # version 3 sampled every token, 4 is trained
+    old_logprob_statistics(batch, 4, ImportanceCorrection(), "k1", stats)
     found = stats.reduce()
     assert found["rollout/stale_token_fraction"] == 1.0
     assert math.isnan(found["rollout/on_policy_logprob_abs_diff_max"])
@@ -270,7 +271,7 @@ def test_off_policy_corrections_match_their_definitions(level, mode):
 
 
 def test_off_policy_statistics_report_staleness_and_weights():
-    from mcore_rl.rl.step_statistics import off_policy_statistics, token_staleness
+    from mcore_rl.rl.step_statistics import off_policy_statistics, old_logprob_statistics
 
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
     engine = torch.log(torch.tensor([[0.25, 0.5, 1.0], [0.5, 0.4, 0.5]]))  # ratios 2, 1, .5; 1, 1.25, 1
@@ -283,13 +284,12 @@ def test_off_policy_statistics_report_staleness_and_weights():
     rollout = Rollout([], [], Generation([  # a one-token prompt, then two sampled tokens
         Completion(0, 0, [1, 2], [0.0, 0.0], "stop", ((0, 3), (1, 4))),
         Completion(0, 1, [1, 2], [0.0, 0.0], "stop", ((0, 4),))], [[7]]), [], version=3)
-    token_staleness(batch, rollout, 4, stats)
+    off_policy_statistics(batch, rollout, 4, stats)
+    old_logprob_statistics(batch, 4, correction, "k1", stats)
     found = stats.means()  # version 3 sampled one token of four; 4 the others
     assert found["rollout/stale_token_fraction"] == 0.25
     assert found["rollout/on_policy_logprob_abs_diff_max"] == pytest.approx(math.log(2))
-    off_policy_statistics(batch, rollout, 5, correction, stats)
-    found = stats.means()
-    assert found["rollout/staleness_mean"] == 1.5 and found["rollout/staleness_max"] == 2
+    assert found["rollout/staleness_mean"] == 0.5 and found["rollout/staleness_max"] == 1
     assert found["rollout/continued_fraction"] == 0.5
     assert found["rollout/is_masked_fraction"] == pytest.approx(2 / 5)  # 2 and 0.5 leave
     assert found["rollout/is_weight_mean"] == pytest.approx((1 + 1 + 1.25) / 3)
@@ -347,6 +347,20 @@ def test_rl_config_rules_name_the_fields():
     with pytest.raises(ConfigError, match="old_logprobs=engine needs one optimizer step per "
                                           "batch .trainer.ppo_epochs=2"):
         validate_rl(load_config(None, ["rollout.old_logprobs=engine", "trainer.ppo_epochs=2"]), 1)
+    # auto: the update's own forward pass where one optimizer step takes the whole batch and
+    # nothing reads the old log-probs before it; a separate pass elsewhere.
+    assert load_config(None, []).old_logprob_source() == "update"
+    for reader in ("trainer.ppo_epochs=2", "trainer.mini_batches=2",
+                   "algorithm.use_kl_in_reward=true", "model.moe.num_experts=4"):
+        assert load_config(None, [reader]).old_logprob_source() == "trainer", reader
+    with pytest.raises(ConfigError, match=r"rollout.old_logprobs=update cannot be used: a batch "
+                                          r"takes more than one optimizer step \(trainer.ppo_epochs"
+                                          r"=2"):
+        validate_rl(load_config(None, ["rollout.old_logprobs=update", "trainer.ppo_epochs=2"]), 1)
+    with pytest.raises(ConfigError, match="rollout.old_logprobs=update cannot be used: algorithm."
+                                          "use_kl_in_reward .the KL penalty in the rewards. reads"):
+        validate_rl(load_config(None, ["rollout.old_logprobs=update",
+                                       "algorithm.use_kl_in_reward=true"]), 1)
     with pytest.raises(ConfigError, match="old_logprobs=engine needs on-policy batches"):
         validate_rl(load_config(None, ["rollout.old_logprobs=engine",
                                        "rollout.async_rollout=true"]), 1)

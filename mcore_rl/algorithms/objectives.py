@@ -31,16 +31,22 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def actor_objective(outputs: dict, micro_batch: dict, config: AlgorithmConfig,
                     correction: ImportanceCorrection = ImportanceCorrection()):
     """(numerator, denominator, metrics) of the policy objective on one micro-batch. Needs
-    micro_batch keys loss_mask, old_logprobs, advantages (+ ref_logprobs with use_kl_loss,
-    engine_logprobs with an importance correction)."""
+    micro_batch keys loss_mask, advantages (+ ref_logprobs with use_kl_loss, engine_logprobs
+    with an importance correction) and old_logprobs; a micro-batch without them takes this
+    pass's own, detached (the policy before the step, for a batch's only optimizer step:
+    rollout.old_logprobs=update), and returns them as the metric 'logprobs' [b, s]."""
     mask = micro_batch["loss_mask"].float()
     logprobs = outputs["logprobs"]
+    own_old = "old_logprobs" not in micro_batch
+    old_logprobs = logprobs.detach() if own_old else micro_batch["old_logprobs"]
     if correction.enabled:
-        weight, keep = importance_weights(micro_batch["old_logprobs"],
-                                          micro_batch["engine_logprobs"], mask, correction)
+        weight, keep = importance_weights(old_logprobs, micro_batch["engine_logprobs"], mask,
+                                          correction)
         mask = mask * keep
     losses, metrics = POLICY_LOSSES.get(config.policy_loss)(
-        logprobs, micro_batch["old_logprobs"], micro_batch["advantages"], mask, config)
+        logprobs, old_logprobs, micro_batch["advantages"], mask, config)
+    if own_old:
+        metrics["logprobs"] = old_logprobs
     if correction.enabled:
         losses = losses * weight
         metrics["actor/importance_weight"] = _masked_mean(weight, mask)

@@ -109,6 +109,45 @@ class JobConfig:
             return self.rollout.multi_turn.max_episode_tokens
         return self.data.max_prompt_tokens + self.rollout.sampling.max_new_tokens
 
+    def micro_batch_tokens(self, role: str) -> int:
+        """The token budget of a trained role's micro-batches (actor, critic; 0: fixed rows):
+        max_tokens_per_micro_batch with -1 resolved to micro_batch_size x the longest
+        sequence, or to fixed rows where Megatron's allgather token dispatcher refuses
+        micro-batches of varying length."""
+        section = getattr(self, role)
+        if section.max_tokens_per_micro_batch >= 0:
+            return section.max_tokens_per_micro_batch
+        if self.model.moe.enabled and self.parallel.moe_token_dispatcher == "allgather":
+            return 0
+        return section.micro_batch_size * self.sequence_length()
+
+    def old_logprob_source(self) -> str:
+        """rollout.old_logprobs with auto resolved: update where the update's own forward pass
+        can give them (`own_old_logprob_blockers` empty), trainer elsewhere."""
+        if self.rollout.old_logprobs != "auto":
+            return self.rollout.old_logprobs
+        return "trainer" if own_old_logprob_blockers(self) else "update"
+
+
+def own_old_logprob_blockers(config: JobConfig) -> list[str]:
+    """Why the update's forward pass cannot give the old log-probs: the batch takes more than
+    one optimizer step (later steps need the policy before the first), or something reads
+    them before the update."""
+    trainer, algorithm = config.trainer, config.algorithm
+    blockers = []
+    if (trainer.ppo_epochs, trainer.mini_batches) != (1, 1):
+        blockers.append(f"a batch takes more than one optimizer step (trainer.ppo_epochs="
+                        f"{trainer.ppo_epochs}, trainer.mini_batches={trainer.mini_batches})")
+    readers = {"algorithm.use_kl_in_reward (the KL penalty in the rewards)":
+               algorithm.use_kl_in_reward,
+               "a teacher (distillation's advantage)": config.teacher.enabled,
+               "rollout.routing_replay=r2 (the routes of the old-log-prob pass)":
+               config.rollout.routing_replay == "r2",
+               "a Mixture-of-Experts model (its routing metrics)": config.model.moe.enabled}
+    blockers += [f"{reader} reads them before the update"
+                 for reader, reads in readers.items() if reads]
+    return blockers
+
 
 def validate(config: JobConfig, world_size: int) -> JobConfig:
     """Check every rule that can be checked before a process group exists; raise ConfigError
@@ -251,7 +290,7 @@ def _moe_rl_errors(config: JobConfig, world_size: int) -> list[str]:
                           "vllm")
     if config.parallel.moe_token_dispatcher == "allgather":
         for role in ("actor", "critic") if config.algorithm.needs_critic else ("actor",):
-            if getattr(config, role).max_tokens_per_micro_batch:
+            if getattr(config, role).max_tokens_per_micro_batch > 0:
                 errors.append(f"{role}.max_tokens_per_micro_batch (micro-batches of varying "
                               "length) is refused by Megatron's allgather token dispatcher: "
                               "use parallel.moe_token_dispatcher=alltoall")
@@ -269,7 +308,7 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
     errors += config.critic.optimizer.check("critic.optimizer")
     errors += _rl_batch_errors(config, world_size) + list(name_errors)
     errors += _moe_rl_errors(config, world_size)
-    errors += _engine_old_logprob_errors(config)
+    errors += _old_logprob_errors(config)
     if config.rollout.importance_cap:
         errors += _truncated_logprob_errors(
             config.rollout, f"rollout.importance_cap={config.rollout.importance_cap}",
@@ -348,10 +387,17 @@ def _placement_errors(config: JobConfig, world_size: int) -> list[str]:
     return errors
 
 
-def _engine_old_logprob_errors(config: JobConfig) -> list[str]:
-    """rollout.old_logprobs=engine is exact only for a batch used for one on-policy step, sampled
-    from the whole distribution."""
+def _old_logprob_errors(config: JobConfig) -> list[str]:
+    """rollout.old_logprobs=update needs a batch the update's forward pass can score alone;
+    =engine is exact only for a batch used for one on-policy step, sampled from the whole
+    distribution; r2 replays the routes of a trainer pass."""
     rollout, trainer = config.rollout, config.trainer
+    if rollout.routing_replay == "r2" and rollout.old_logprobs in ("update", "engine"):
+        return [f"rollout.routing_replay=r2 replays the routes of the old-log-prob pass, which "
+                f"rollout.old_logprobs={rollout.old_logprobs} skips"]
+    if rollout.old_logprobs == "update":
+        return [f"rollout.old_logprobs=update cannot be used: {blocker} (use auto or trainer)"
+                for blocker in own_old_logprob_blockers(config)]
     if rollout.old_logprobs != "engine":
         return []
     errors = []
@@ -429,14 +475,17 @@ def _rl_batch_errors(config: JobConfig, world_size: int) -> list[str]:
     errors = []
     for role in ("actor", "critic") if config.algorithm.needs_critic else ("actor",):
         micro = getattr(config, role).micro_batch_size
-        budget = getattr(config, role).max_tokens_per_micro_batch
+        budget = config.micro_batch_tokens(role)
         length = config.sequence_length()
-        if budget:
-            if budget < length:
-                errors.append(f"{role}.max_tokens_per_micro_batch={budget} must hold the "
-                              f"longest sequence, {_sequence_length_fields(config)} = {length}")
-            continue
-        if micro < 1 or (rows // mini_batches) % micro:
+        if micro < 1:
+            errors.append(f"{role}.micro_batch_size={micro} must be >= 1")
+        elif getattr(config, role).max_tokens_per_micro_batch < -1:
+            errors.append(f"{role}.max_tokens_per_micro_batch must be -1 (derived), 0 (fixed "
+                          f"rows) or a token budget")
+        elif budget and budget < length:
+            errors.append(f"{role}.max_tokens_per_micro_batch={budget} must hold the "
+                          f"longest sequence, {_sequence_length_fields(config)} = {length}")
+        elif not budget and (rows // mini_batches) % micro:
             errors.append(f"{role}.micro_batch_size={micro} must divide the {rows // mini_batches}"
                           " responses of a mini-batch on each data-parallel rank")
     return errors

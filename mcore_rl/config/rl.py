@@ -22,7 +22,7 @@ ENGINES = ("vllm", "megatron")
 OVERLONG_RESPONSES = ("keep", "filter", "penalty")
 IMPORTANCE_LEVELS = ("token", "sequence")
 IMPORTANCE_MODES = ("truncate", "mask")
-OLD_LOGPROB_SOURCES = ("trainer", "engine")
+OLD_LOGPROB_SOURCES = ("auto", "update", "trainer", "engine")
 ROUTING_REPLAYS = ("none", "r2", "r3")
 PARTIAL_ROLLOUTS = ("continue", "abort")
 WANDB_MISSING = ("trainer.wandb_project is set but wandb is not installed: pip install wandb "
@@ -37,13 +37,20 @@ class RoleConfig:
     """This role's optimizer and LR schedule."""
 
     micro_batch_size: int = 2
-    """Sequences per forward/backward micro-batch on one rank (log-probs, values, updates)."""
+    """Sequences per forward/backward micro-batch on one rank (log-probs, values, updates);
+    with a token budget (the default: max_tokens_per_micro_batch), the longest sequences per
+    micro-batch, shorter ones filling it further."""
 
-    max_tokens_per_micro_batch: int = 0
-    """> 0: micro-batches of at most this many tokens (rows x their longest row) instead of
+    max_tokens_per_micro_batch: int = -1
+    """Micro-batches of at most this many tokens (rows x their longest row) instead of
     micro_batch_size rows: rows are sorted by length, packed greedily and cut to their own
     longest row, so padding shrinks and short responses fill a micro-batch (verl's
-    use_dynamic_bsz). Must be at least data.max_prompt_tokens + sampling.max_new_tokens."""
+    use_dynamic_bsz). -1 (default): micro_batch_size x the longest sequence
+    (data.max_prompt_tokens + sampling.max_new_tokens, or a multi-turn episode's limit): the
+    memory micro_batch_size rows of that length would take, filled with as many rows as fit
+    (`JobConfig.micro_batch_tokens`; fixed rows under Megatron's allgather token dispatcher,
+    which refuses varying lengths). 0: micro_batch_size rows each. > 0: must be at least the
+    longest sequence."""
 
     offload: bool = False
     """Park this role's parameters, gradients and optimizer state in host memory while the
@@ -181,15 +188,23 @@ class RolloutConfig:
     loss the tokens (importance_level=token) or whole responses (sequence) whose ratio leaves
     [importance_floor, importance_cap] and weight the rest by their ratio (masked IS)."""
 
-    old_logprobs: str = "trainer"
-    """Where the PPO ratio's old log-probs come from. trainer: a forward pass of the actor over the
-    batch before the update (exact PPO). engine: the engine's sampling log-probs (verl's bypass
-    mode), saving that forward pass; only for batches used for one on-policy optimizer step
-    (trainer.ppo_epochs=1, trainer.mini_batches=1, async_rollout=false, max_staleness=0,
-    importance_cap=0) whose engine log-probs are under the whole tempered distribution
-    (`engine_logprobs_whole`: temperature 1, or top_p=1 and top_k=-1), where the two differ by
-    the engine/trainer mismatch alone (a trainer run's rollout/logprob_mismatch metrics say how
-    much)."""
+    old_logprobs: str = "auto"
+    """Where the PPO ratio's old log-probs come from. update: the update's own forward pass,
+    detached (the ratio is exactly 1 and its gradient the policy gradient, as TRL with
+    num_iterations=1 and verl's on-policy path), saving a forward pass; only where a batch
+    gets one optimizer step over all its rows (trainer.ppo_epochs=1, trainer.mini_batches=1)
+    and nothing reads them before the update (algorithm.use_kl_in_reward, a teacher, r2
+    routing replay, a Mixture-of-Experts model's routing metrics do): the step's
+    engine/trainer mismatch, importance-weight and KL-to-reference metrics then come from
+    that pass. trainer: a forward pass of the actor over the batch before the update (exact
+    PPO, any number of epochs and mini-batches). auto (default): update where it applies,
+    else trainer (`JobConfig.old_logprob_source`; said at start). engine: the engine's
+    sampling log-probs (verl's bypass mode); only for batches used for one on-policy optimizer
+    step (trainer.ppo_epochs=1, trainer.mini_batches=1, async_rollout=false,
+    max_staleness=0, importance_cap=0) whose engine log-probs are under the whole tempered
+    distribution (`engine_logprobs_whole`: temperature 1, or top_p=1 and top_k=-1), where
+    they differ from the trainer's by the engine/trainer mismatch alone (a bf16 engine's are
+    inexact: update is exact at the same cost)."""
 
     routing_replay: str = "none"
     """Mixture-of-Experts models: which expert routes the trainer's forward passes of a batch
@@ -312,9 +327,6 @@ class RolloutConfig:
         if self.routing_replay not in ROUTING_REPLAYS:
             errors.append(f"rollout.routing_replay={self.routing_replay!r} must be one of "
                           f"{ROUTING_REPLAYS}")
-        if self.routing_replay == "r2" and self.old_logprobs != "trainer":
-            errors.append("rollout.routing_replay=r2 replays the routes of the old-log-prob "
-                          "pass, which rollout.old_logprobs=engine skips")
         if self.max_staleness < 0:
             errors.append(f"rollout.max_staleness={self.max_staleness} must be >= 0")
         if self.partial_rollout not in PARTIAL_ROLLOUTS:

@@ -19,6 +19,7 @@ from mcore_rl.agents import (ChatFormat, EpisodeRunner, EpisodeSpec, environment
 from mcore_rl.algorithms import unregistered_names
 from mcore_rl.checkpoint.base_identity import base_identity
 from mcore_rl.config import ConfigError, InitConfig, JobConfig, validate_rl
+from mcore_rl.config.job import own_old_logprob_blockers
 from mcore_rl.config.parallel import AUTO_ORDER
 from mcore_rl.conversion.export import hf_architecture
 from mcore_rl.conversion.model_source import with_model_from_init
@@ -55,6 +56,22 @@ class Roles:
     teacher: Teacher | None = None
 
 
+OLD_LOGPROB_PASSES = {"update": "the update's own forward pass (no pass before it)",
+                      "trainer": "an actor forward pass before the update",
+                      "engine": "the engine's sampling log-probs"}
+
+
+def say_old_logprob_source(config: JobConfig) -> None:
+    """Print once where the PPO ratio's old log-probs come from, and why auto chose a pass
+    before the update."""
+    source = config.old_logprob_source()
+    why = ""
+    if config.rollout.old_logprobs == "auto" and source == "trainer":
+        why = ": " + "; ".join(own_old_logprob_blockers(config))
+    print0(f"rollout.old_logprobs={config.rollout.old_logprobs}: old log-probs from "
+           f"{OLD_LOGPROB_PASSES[source]}{why}")
+
+
 def build_roles(config: JobConfig, device: torch.device, tokenizer=None) -> Roles:
     """Actor (+ critic, + reference, + teacher) with their starting weights from `config.init`
     (the teacher's from teacher.init, checked against the student's `tokenizer`). An actor
@@ -68,14 +85,14 @@ def build_roles(config: JobConfig, device: torch.device, tokenizer=None) -> Role
             policy, config.model, config.parallel, precision, device)
         reference = Reference(frozen, config.model.vocab_size, config.actor.micro_batch_size,
                               temperature, config.reference.offload,
-                              config.actor.max_tokens_per_micro_batch, config.model,
+                              config.micro_batch_tokens("actor"), config.model,
                               config.rollout.routing_replay)
     lora = config.actor.lora
     base = base_identity(config.init, config.runtime.seed, lora) if lora.enabled else None
     actor = Actor(make_trainable(policy, config.actor.optimizer, precision, base),
                   config.model.vocab_size, config.actor.micro_batch_size, config.algorithm,
                   temperature, config.rollout.importance_correction(),
-                  config.actor.max_tokens_per_micro_batch, config.model,
+                  config.micro_batch_tokens("actor"), config.model,
                   config.rollout.routing_replay)
     critic = None
     if config.algorithm.needs_critic:
@@ -83,7 +100,8 @@ def build_roles(config: JobConfig, device: torch.device, tokenizer=None) -> Role
                                       precision, "scalar", device)
         critic = Critic(make_trainable(value_model, config.critic.optimizer, precision),
                         config.critic.micro_batch_size, config.algorithm,
-                        config.critic.max_tokens_per_micro_batch)
+                        config.micro_batch_tokens("critic"))
+    say_old_logprob_source(config)
     reward_model = None
     if config.reward.model_path:
         reward_model = build_reward_model(config, device)

@@ -16,7 +16,7 @@ import torch
 
 from mcore_rl.algorithms.advantages import AdvantageInputs, compute_advantages
 from mcore_rl.algorithms.distillation import distilled_advantages, reverse_kl_advantages
-from mcore_rl.algorithms.kl import KLController, apply_kl_penalty, kl_estimate
+from mcore_rl.algorithms.kl import KLController, apply_kl_penalty
 from mcore_rl.algorithms.reward_shaping import RewardShaper
 from mcore_rl.config import AlgorithmConfig
 from mcore_rl.config.rl import RolloutConfig
@@ -164,14 +164,15 @@ def select_groups(rollouts: list[Rollout], kept: list[list[int]]) -> Rollout:
 
 def add_forward_passes(batch: dict, roles, old_logprobs: str = "trainer",
                        routing_replay: str = "none") -> dict[str, float]:
-    """Old log-probs (an actor forward pass, or the engine's: rollout.old_logprobs), reference
-    and teacher log-probs and old values (critic) of the batch. A Mixture-of-Experts actor's
-    pass also gives the step's MoE metrics (returned; identical on every rank) and, under r2,
-    the routes the later passes replay."""
+    """Old log-probs (rollout.old_logprobs: an actor forward pass, or the engine's; none yet
+    with `update`, whose update pass gives them), reference and teacher log-probs and old
+    values (critic) of the batch. A Mixture-of-Experts actor's pass also gives the step's MoE
+    metrics (returned; identical on every rank) and, under r2, the routes the later passes
+    replay."""
     metrics = {}
     if old_logprobs == "engine":
         batch["old_logprobs"] = batch["engine_logprobs"]
-    else:
+    elif old_logprobs == "trainer":
         outputs = roles.actor.logprobs(batch)
         batch["old_logprobs"] = outputs["logprobs"]
         metrics = outputs.get("moe_metrics", {})
@@ -192,9 +193,6 @@ def add_advantages(batch: dict, algorithm: AlgorithmConfig, kl_controller: KLCon
     penalty when algorithm.use_kl_in_reward (the controller adapts to the measured KL)."""
     mask = batch["response_mask"]
     token_rewards = batch["token_rewards"]
-    if "ref_logprobs" in batch:
-        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algorithm.kl_estimator)
-        stats.add("actor/kl_to_reference", kl, mask)
     if algorithm.use_kl_in_reward:
         token_rewards, _ = apply_kl_penalty(token_rewards, batch["old_logprobs"],
                                             batch["ref_logprobs"], mask.float(), kl_controller,

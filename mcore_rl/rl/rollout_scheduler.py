@@ -165,9 +165,9 @@ class RolloutScheduler:
         """Smallest number of prompts whose responses cut into the configured mini- and
         micro-batches."""
         config = self.config
-        micro_batch = _rows_per_micro_batch(config.actor)
+        micro_batch = _rows_per_micro_batch(config, "actor")
         if config.algorithm.needs_critic:
-            micro_batch = math.lcm(micro_batch, _rows_per_micro_batch(config.critic))
+            micro_batch = math.lcm(micro_batch, _rows_per_micro_batch(config, "critic"))
         rows_unit = config.trainer.mini_batches * micro_batch
         return rows_unit // math.gcd(rows_unit, config.rollout.sampling.n)
 
@@ -186,6 +186,6 @@ def evaluation_sampling(config: JobConfig, stop_token_ids: tuple[int, ...]) -> S
                                seed=config.runtime.seed)
 
 
-def _rows_per_micro_batch(role_config) -> int:
+def _rows_per_micro_batch(config: JobConfig, role: str) -> int:
     """The row count a role's micro-batches need (any count with a token budget)."""
-    return 1 if role_config.max_tokens_per_micro_batch else role_config.micro_batch_size
+    return 1 if config.micro_batch_tokens(role) else getattr(config, role).micro_batch_size

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from mcore_rl.algorithms.kl import kl_estimate
 from mcore_rl.algorithms.off_policy import importance_weights
 from mcore_rl.config.rl import ImportanceCorrection
 from mcore_rl.observability.step_metrics import SumsAndCounts
@@ -16,9 +17,8 @@ from .experience import Rollout, group_variation
 
 
 def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
-                        stats: SumsAndCounts, mismatch: bool = True) -> None:
-    """This rank's rollout numbers: rewards, lengths, advantages, values, and the engine/trainer
-    log-prob mismatch (unless the old log-probs are the engine's own: `mismatch` false).
+                        stats: SumsAndCounts) -> None:
+    """This rank's rollout numbers: rewards, lengths, advantages, values.
     reward/accuracy counts the answers checked against a ground truth (RewardResult.correct:
     every one or none, the same on every rank for a job)."""
     scores = batch["scores"].double()
@@ -41,8 +41,6 @@ def rollout_statistics(batch: dict, results: list, generation_metrics: dict,
     stats.add("advantages/mean", batch["advantages"], response)
     stats.add_max("advantages/max", batch["advantages"][response])
     stats.add_max("advantages/neg_min", -batch["advantages"][response])
-    if mismatch:
-        add_logprob_mismatch(stats, batch["engine_logprobs"], batch["old_logprobs"], response)
     stats.add("rollout/truncated_prompts",
               torch.tensor([float(generation_metrics.get("truncated_prompts", 0))]))
     prefill_statistics(generation_metrics, len(results), stats)
@@ -97,44 +95,51 @@ def episode_statistics(completions: list, stats: SumsAndCounts) -> None:
 
 
 def off_policy_statistics(batch: dict, rollout: Rollout, step: int,
-                          correction: ImportanceCorrection, stats: SumsAndCounts) -> None:
+                          stats: SumsAndCounts) -> None:
     """How far off-policy the batch is: policy versions between starting each response and
     training on it at `step`, the responses continued across a weight update (split
-    placement's partial rollouts), how many tokens older weights sampled (`token_staleness`),
-    and the importance weights the actor's loss will apply (with their masked fraction)."""
+    placement's partial rollouts) and rollout/stale_token_fraction (response tokens sampled
+    with weights older than version `step`: the rollout's, or where the engine recorded
+    versions, each token's). Each token's version stays in the batch (`token_versions`) for
+    `old_logprob_statistics`."""
     staleness = step - rollout.start_versions()
     stats.add("rollout/staleness_mean", staleness)
     stats.add_max("rollout/staleness_max", staleness)
     completions = rollout.generation.completions
     stats.add("rollout/continued_fraction", torch.tensor(
         [float(len(completion.versions) > 1) for completion in completions]))
-    token_staleness(batch, rollout, step, stats)
+    batch["token_versions"] = rollout.generation.token_versions(rollout.version)
+    stats.add("rollout/stale_token_fraction",
+              (batch["token_versions"] < step).double(), batch["response_mask"].bool())
+
+
+def old_logprob_statistics(batch: dict, step: int, correction: ImportanceCorrection,
+                           kl_estimator: str, stats: SumsAndCounts) -> None:
+    """What the old log-probs show, once the batch has them (before the update, or from it:
+    rollout.old_logprobs=update): the KL to the reference, and unless they are the engine's
+    own (rollout.old_logprobs=engine) the engine/trainer log-prob mismatch,
+    rollout/on_policy_logprob_abs_diff_max (the gap over the tokens the trained version itself
+    sampled, which only numerics can open; the other tokens' gap is the policy's drift as
+    well, as rollout/is_weight_* show; NaN in a step where it sampled none on any rank, never
+    a 0 that would read as a perfect match) and the importance weights the actor's loss
+    applies (with their masked fraction)."""
+    response = batch["response_mask"].bool()
+    old, engine = batch["old_logprobs"], batch["engine_logprobs"]
+    if "ref_logprobs" in batch:
+        kl = kl_estimate(old, batch["ref_logprobs"], kl_estimator)
+        stats.add("actor/kl_to_reference", kl, response)
+    if old is not engine:
+        add_logprob_mismatch(stats, engine, old, response)
+        current = response & (batch["token_versions"] == step)
+        stats.add_max("rollout/on_policy_logprob_abs_diff_max",
+                      (old.double() - engine.double()).abs()[current])
     if not correction.enabled:
         return
     mask = batch["loss_mask"].double()
-    weights, keep = importance_weights(batch["old_logprobs"].double(),
-                                       batch["engine_logprobs"].double(), mask, correction)
+    weights, keep = importance_weights(old.double(), engine.double(), mask, correction)
     stats.add("rollout/is_weight_mean", weights, mask * keep)
     stats.add_max("rollout/is_weight_max", weights[(mask * keep).bool()])
     stats.add("rollout/is_masked_fraction", 1 - keep, mask)
-
-
-def token_staleness(batch: dict, rollout: Rollout, step: int, stats: SumsAndCounts) -> None:
-    """rollout/stale_token_fraction (response tokens sampled with weights older than version
-    `step`: the rollout's, or where the engine recorded versions, each token's) and
-    rollout/on_policy_logprob_abs_diff_max, the engine/trainer log-prob gap over the tokens the
-    trained version itself sampled, which only numerics can open (the other tokens' gap is
-    the policy's drift as well, as rollout/is_weight_* show); NaN in a step where it sampled
-    none on any rank (a maximum over no tokens, see SumsAndCounts.add_max), never a 0 that
-    would read as a perfect match."""
-    versions = rollout.generation.token_versions(rollout.version)
-    response = batch["response_mask"].bool()
-    stats.add("rollout/stale_token_fraction", (versions < step).double(), response)
-    if batch["old_logprobs"] is batch["engine_logprobs"]:  # rollout.old_logprobs=engine
-        return
-    current = response & (versions == step)
-    gap = (batch["old_logprobs"].double() - batch["engine_logprobs"].double()).abs()
-    stats.add_max("rollout/on_policy_logprob_abs_diff_max", gap[current])
 
 
 def derived_metrics(metrics: dict) -> dict:

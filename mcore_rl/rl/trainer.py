@@ -59,7 +59,7 @@ from .rollout_scheduler import RolloutScheduler
 from .split.remote_rollouts import RemoteRollouts
 from .step_guards import StepGuards
 from .step_statistics import (derived_metrics, episode_statistics, off_policy_statistics,
-                              rollout_statistics)
+                              old_logprob_statistics, rollout_statistics)
 
 
 @dataclasses.dataclass
@@ -163,8 +163,9 @@ class Trainer:
             with timer("generate_baseline"):
                 baselines = self.scheduler.greedy_scores(rollout, self.step)
                 batch["reward_baselines"] = baselines[batch["group_ids"]]
+        old_logprobs = self.config.old_logprob_source()
         with timer("logprobs"):
-            moe_metrics = add_forward_passes(batch, self.roles, self.config.rollout.old_logprobs,
+            moe_metrics = add_forward_passes(batch, self.roles, old_logprobs,
                                              self.config.rollout.routing_replay)
         for name, value in moe_metrics.items():  # global already: every rank adds the same
             stats.add(name, torch.tensor([value]))
@@ -172,12 +173,12 @@ class Trainer:
             add_advantages(batch, self.config.algorithm, self.kl_controller, self.dp_group, stats)
             if self.roles.teacher is not None:
                 add_distillation(batch, self.config.teacher, stats)
-        rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats,
-                           mismatch=self.config.rollout.old_logprobs == "trainer")
+        rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats)
         if self.config.rollout.multi_turn.enabled:
             episode_statistics(rollout.generation.completions, stats)
-        off_policy_statistics(batch, rollout, self.step,
-                              self.config.rollout.importance_correction(), stats)
+        off_policy_statistics(batch, rollout, self.step, stats)
+        if old_logprobs != "update":
+            self._old_logprob_statistics(batch, stats)
         self.scheduler.add_metrics(stats)
         if self.config.trainer.balance_data_parallel:
             with timer("balance"):
@@ -202,6 +203,9 @@ class Trainer:
                                    if name.endswith("update_skipped"))
                     for name, value in metrics.items():
                         updates.add(name, torch.tensor([value]))
+        if "old_logprobs" not in batch:  # rollout.old_logprobs=update: the one mini-batch's
+            batch["old_logprobs"] = mini_batch["old_logprobs"]
+            self._old_logprob_statistics(batch, experience.stats)
         self.scheduler.policy_updated(self.step + 1, timer)
         metrics = derived_metrics(experience.stats.reduce(self.dp_group))
         metrics.update(updates.means())  # already global: every rank holds the same values
@@ -295,6 +299,10 @@ class Trainer:
         return out_dir
 
     # -- pieces of the step ------------------------------------------------------------------
+    def _old_logprob_statistics(self, batch: dict, stats: SumsAndCounts) -> None:
+        old_logprob_statistics(batch, self.step, self.config.rollout.importance_correction(),
+                               self.config.algorithm.kl_estimator, stats)
+
     def _balanced(self, batch: dict, stats: SumsAndCounts) -> dict:
         """The batch with rows moved between data-parallel ranks so that each holds about the
         same number of tokens for the update (groups and advantages are already computed)."""

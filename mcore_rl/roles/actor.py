@@ -74,13 +74,19 @@ class Actor:
         return outputs
 
     def update(self, mini_batch: dict) -> dict:
-        """One optimizer step on a mini-batch; metrics identical on every rank."""
+        """One optimizer step on a mini-batch; metrics identical on every rank. A mini-batch
+        without old_logprobs (rollout.old_logprobs=update: the batch's only step) takes this
+        update's own, detached, and gets them as its 'old_logprobs' [n, s]."""
         inputs = {name: mini_batch[name] for name in ACTOR_INPUTS if name in mini_batch}
         inputs["output_mask"] = mini_batch["loss_mask"]
         routing = replaying_routes(self.moe_model, self.routing_replay, mini_batch, inputs)
         objective = partial(actor_objective, config=self.algorithm, correction=self.correction)
+        own_old = "old_logprobs" not in mini_batch
         metrics = train_step(self.trainable, inputs, self.micro_batch_size, objective, "lm",
-                             self.vocab_size, self.temperature, self.max_tokens, routing)
+                             self.vocab_size, self.temperature, self.max_tokens, routing,
+                             per_token=("logprobs",) if own_old else ())
+        if own_old:
+            mini_batch["old_logprobs"] = metrics.pop("logprobs")
         return role_metrics(metrics, "actor")
 
 

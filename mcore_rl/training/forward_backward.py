@@ -278,12 +278,19 @@ def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str
     per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None,
                                     True, pipeline, routing)[:real]
     names = ("values",) if head == "scalar" else ("logprobs", "entropy")
+    return _per_row(per_micro_batch, names, order, batch, module_device(chunks[0]), pipeline)
+
+
+def _per_row(per_micro_batch: list[dict], names: tuple[str, ...], order: torch.Tensor | None,
+             batch: Batch, device, pipeline: _Pipeline) -> dict:
+    """The micro-batches' per-token outputs `names` as [n, s] tensors in the batch's row order,
+    on every stage of the pipeline, on the device of the batch."""
     shape = tuple(batch["input_ids"].shape)
     results = {}
     for name in names:
         local = _in_batch_order([out[name] for out in per_micro_batch], order, shape) \
             if pipeline.is_last_stage else None
-        broadcast = _broadcast_from_last_stage(local, shape, module_device(chunks[0]), pipeline)
+        broadcast = _broadcast_from_last_stage(local, shape, device, pipeline)
         results[name] = broadcast.to(batch["input_ids"].device)
     return results
 
@@ -304,21 +311,29 @@ def _in_batch_order(outputs: list[torch.Tensor], order: torch.Tensor | None,
 def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_fn: LossFn,
                head: str = "lm", vocab_size: int | None = None,
                temperature: float = 1.0, max_tokens: int = 0,
-               routing: RoutingPass | None = None) -> dict:
+               routing: RoutingPass | None = None, per_token: tuple[str, ...] = ()) -> dict:
     """One optimizer step on this rank's rows of `batch` (micro-batches of `micro_batch_size`
     rows, or of at most `max_tokens` tokens when > 0). Returns metrics identical on every
     rank: the global loss (sum of numerators / sum of denominators over DP), the loss function's
     metrics (mean over micro-batches and DP ranks), grad norm, LR, and whether the update was
     skipped because the loss or a gradient was not finite (then nothing changes). routing: what
-    an MoE model's routers do in this step (replay the batch's routes)."""
+    an MoE model's routers do in this step (replay the batch's routes). per_token: names of
+    per-token [b, s] metrics the loss function returns, given back as [n, s] tensors in the
+    batch's row order on every pipeline stage instead of being averaged."""
     for chunk in model.chunks:
         chunk.train()
         chunk.zero_grad_buffer()
     model.optimizer.zero_grad()
-    micro_batches, _, real = _micro_batches(model.chunks, batch, micro_batch_size, max_tokens)
+    micro_batches, order, real = _micro_batches(model.chunks, batch, micro_batch_size,
+                                                max_tokens)
+    pipeline = _pipeline(model.chunks[0], None)
     per_micro_batch = _run_schedule(model.chunks, micro_batches, head, vocab_size, temperature,
-                                    loss_fn, False, _pipeline(model.chunks[0], None),
-                                    routing)[:real]
+                                    loss_fn, False, pipeline, routing)[:real]
+    rows = _per_row(per_micro_batch, per_token, order, batch, module_device(model.chunks[0]),
+                    pipeline)
+    for metrics in per_micro_batch:
+        for name in per_token:
+            del metrics[name]
     metrics = _reduce_metrics(per_micro_batch)
     finite = math.isfinite(metrics["loss"]) and _gradients_finite(model.chunks)
     updated, grad_norm = False, float("nan")
@@ -327,7 +342,8 @@ def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_
     if updated:
         model.scheduler.step(increment=1)
     metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                   lr=model.optimizer.param_groups[0]["lr"], update_skipped=not updated)
+                   lr=model.optimizer.param_groups[0]["lr"], update_skipped=not updated,
+                   **rows)
     return metrics
 
 
