@@ -1,7 +1,7 @@
 """Benchmark: mcore_rl's GRPO vs TRL's GRPOTrainer on the same tiny HF model, task and settings.
 
     bash bench/setup_trl.sh                       # once: TRL 1.16 in ./.venv-trl
-    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python bench/trl_grpo.py [--rounds 2]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/trl_grpo.py [--rounds 2]
 
 One random-init LlamaForCausalLM (seeded; 8 layers, hidden 256, 4 heads of 64, SwiGLU 1024, the
 toy task's 16-word tokenizer: 8.4M parameters, the size TRL was measured at in the issue) is
@@ -55,6 +55,11 @@ machine may be shared, which is why the sides alternate, and why the summary als
 median over all steps of all rounds, the per-run 25th percentile (the least disturbed steps) and
 each run's CPU seconds (user + system of the whole process tree, start-up included), which
 other jobs' load barely changes. `--report results.json` prints the tables again.
+
+Peak memory (`peak MB`): the largest peak resident set (ru_maxrss) of mcore_rl's ranks
+(`memory/peak_resident_mb` in metrics.jsonl), and TRL's process's own (plus its children's
+if it starts any; trl_side.py), each over its whole run (docs/training.md, "Memory on the TRL
+bench", accounts for ours).
 """
 
 from __future__ import annotations
@@ -277,7 +282,6 @@ def run_ours(regime: str, seed: int, out_dir: str, args, variant: str = "ours") 
         json.dump(config, handle, indent=1)  # JSON is YAML
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=OURS_PYTHON,
                NPROC_PER_NODE=str(args.ours_ranks), MASTER_PORT=str(_free_port()))
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     command = [os.path.join(REPO, "scripts", "torchrun.sh"), "train", "--config", config_path]
     t0 = time.time()
     cpu = _run(command, env, out_dir + ".log")
@@ -326,7 +330,7 @@ def run_trl(regime: str, seed: int, out_dir: str, args, side: str = "trl") -> di
         raw = json.load(handle)
     rows = s["prompts_per_step"] * s["n"]
     result = {"wall": wall, "cpu": cpu, "startup": raw["first_step_start"] - t0, "steps": [],
-              "evals": []}
+              "evals": [], "peak_mb": raw.get("memory", {}).get("peak_mb")}
     for step in raw["steps"]:
         result["steps"].append({"step": step["step"], "seconds": step["seconds"],
                                 "tokens": step["completion_mean_length"] * rows,
@@ -447,7 +451,9 @@ def print_tables(records: list, args, parameters: int) -> None:
                   f"{ratio(baseline, side, 'step_p25')}); medians over rounds: generated "
                   f"tokens/s {ratio(baseline, side, 'tokens_per_s', True)}, start-up "
                   f"{ratio(baseline, side, 'startup')}, run CPU seconds "
-                  f"{ratio(baseline, side, 'cpu')}" + (
+                  f"{ratio(baseline, side, 'cpu')}, peak resident MB "
+                  f"{_fmt(median(baseline, 'peak_mb'), 0)} / {_fmt(median(side, 'peak_mb'), 0)}"
+                  + (
                       f", train time to acc {ratio(baseline, side, 'train_to_acc')}, wall time "
                       f"to acc {ratio(baseline, side, 'wall_to_acc')}, one evaluation "
                       f"{ratio(baseline, side, 'eval_s')}" if s["eval_every"] else ""))

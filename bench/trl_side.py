@@ -15,7 +15,8 @@ generate (_generate: tokenize + model.generate), reward (_calculate_rewards), lo
 no-grad forward passes: the reference model's), prepare_other (the rest of
 _generate_and_score_completions: advantages, padding, metrics), loss_forward (compute_loss),
 backward (the rest of training_step) and optimizer (the rest of the step: clipping, AdamW,
-scheduler, callbacks).
+scheduler, callbacks). Memory: the process's peak resident memory at the end (`memory`:
+ru_maxrss, plus its children's if it started any), measured as mcore_rl's rank is.
 """
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ def _scorer(module_file: str, function: str):
 SCORERS = {"toy": ("toy.py", "copy_score"),
            "reasoning_gym": ("reasoning_gym_tasks.py", "reasoning_gym_score")}
 """--task -> mcore_rl's reward for it (file under mcore_rl/rewards/, function)."""
+
+
+def peak_resident_mb() -> dict:
+    """This process's peak resident memory (ru_maxrss, as mcore_rl logs its ranks'
+    memory/peak_resident_mb) and the largest of its finished children's, in MB; `peak_mb` is
+    their sum (an upper bound of what was resident at once: TRL without vLLM starts none)."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+    return {"self_mb": own, "children_mb": children, "peak_mb": own + children}
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -210,6 +222,7 @@ def main() -> None:
     trainer.remove_callback(PrinterCallback)  # its per-step log dicts would flood the output
     trainer.train()
     result["finished"] = time.time()
+    result["memory"] = peak_resident_mb()
     with open(args.out, "w") as handle:
         json.dump(result, handle)
 

@@ -169,6 +169,9 @@ def _convert(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .observability.startup import STARTUP
+
+    STARTUP.lap("imports")  # the interpreter and the command line's imports (torch among them)
     parser = _parser()
     args, passthrough = parser.parse_known_args(argv)
     if passthrough and args.command != "serve":

@@ -24,6 +24,8 @@ if [ "$#" -eq 0 ]; then
   exit 2
 fi
 
+# When the launch started, for the ranks' start-up breakdown (mcore_rl.observability.startup).
+export MCORE_RL_LAUNCHED_AT=$(date +%s.%N)
 PYTHON=${PYTHON:-python3}
 if [ -z "${NPROC_PER_NODE:-}" ]; then
   NPROC_PER_NODE=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 4)')
@@ -43,15 +45,18 @@ else
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# A fixed glibc mmap threshold: freed host tensors of 1 MiB and more (activations) go back to the
+# system instead of fragmenting the heap (docs/training.md, "Memory on the TRL bench").
+export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-1048576}
 
-# A job the ranks would refuse is reported once, here, before any rank starts.
-"$PYTHON" -m mcore_rl.launch_check --as torchrun.sh "$((NNODES * NPROC_PER_NODE))" "$NNODES" \
-  "$NPROC_PER_NODE" "$@" || exit 2
-
+# A job the ranks would refuse is reported once, here, before any rank starts: the check runs in
+# torchrun's own process (mcore_rl.launch_check --torchrun), which starts the ranks only after it
+# has passed (exit status 2 otherwise); one interpreter and one import of torch for both.
 # --log-dir /dev/null: without a log folder torchrun makes /tmp/torchelastic_* for every launch and
 # never removes it; the ranks write no error files there (no @record), so nothing is lost.
 # shellcheck disable=SC2086  # TORCHRUN_ARGS is a list of flags
-exec "$PYTHON" -m torch.distributed.run \
+exec "$PYTHON" -m mcore_rl.launch_check --as torchrun.sh "$((NNODES * NPROC_PER_NODE))" \
+  "$NNODES" "$NPROC_PER_NODE" "$@" --torchrun \
   --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" "${RENDEZVOUS[@]}" --log-dir /dev/null \
   ${TORCHRUN_ARGS:-} \
   -m mcore_rl "$@"

@@ -86,8 +86,8 @@ def test_torchrun_sh_keeps_the_given_port_and_the_multi_node_rendezvous(tmp_path
     node takes a free port unless MASTER_PORT is given; several nodes keep MASTER_ADDR,
     MASTER_PORT (default 29500) and NODE_RANK as before."""
     python = tmp_path / "python"
-    python.write_text('#!/bin/sh\ncase "$2" in\n  mcore_rl.launch_check) exit 0 ;;\n'
-                      '  torch.distributed.run) shift 2; echo "$@" ;;\nesac\n')
+    python.write_text('#!/bin/sh\ncase "$2" in\n  mcore_rl.launch_check) while [ "$1" != '
+                      '--torchrun ]; do shift; done; shift; echo "$@" ;;\nesac\n')
     python.chmod(0o755)
 
     def command(**variables):

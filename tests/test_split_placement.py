@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 # Wall-clock figures, and what only the placement changes (bytes received: none colocated).
 NOT_COMPARABLE = ("time/", "throughput/tokens_per_second", "memory/", "reshard/",
-                  "rollout/restarted_responses")
+                  "rollout/restarted_responses", "startup/")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 packed up to a budget of padded tokens and cut to their own longest row. The split is checked
 against its definition, and the model scores and trains on such micro-batches exactly as on
 fixed ones, also through a 2-stage pipeline where micro-batch shapes vary. So does a batch that
-names the positions it uses (`output_mask`: no logits before them)."""
+names the positions it uses (`output_mask`: no logits before them). A dense model's budget
+micro-batches are packed (rows back to back, tests/test_packing.py), so there the one-rank and
+PP2 worlds check packing; the EP2 world's MoE model keeps padded rows."""
 
 import pytest
 import torch

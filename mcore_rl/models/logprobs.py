@@ -27,9 +27,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-CHUNK_TOKENS = 1024
-"""Positions per chunk: the fp32 temporaries of one chunk are CHUNK_TOKENS x vocab/TP (0.6 GB
-at a 152k vocabulary on one rank), whatever the response length."""
+CHUNK_TOKENS = 256
+"""Positions per chunk: the fp32 temporaries of one chunk (about four at once) are CHUNK_TOKENS
+x vocab/TP (0.15 GB each at a 152k vocabulary on one rank, 0.05 GB at SmolLM2's 49k), whatever
+the response length. Results do not depend on it (every position is computed alone,
+tests/test_memory.py). 1024 held 0.6 GB more at SmolLM2's micro-batches on the TRL bench
+(docs/training.md, "Memory on the TRL bench"), for no measurable speed."""
 
 
 def vocab_parallel_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor,

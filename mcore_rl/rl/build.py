@@ -25,6 +25,7 @@ from mcore_rl.conversion.export import hf_architecture
 from mcore_rl.conversion.model_source import with_model_from_init
 from mcore_rl.models import DTYPES, build_gpt_model
 from mcore_rl.models.pretrained import build_from_init, copy_of_stage
+from mcore_rl.observability.startup import STARTUP
 from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.resharding.layouts import DEFAULT_ORDER, TrainingLayout, layout_order
@@ -77,21 +78,24 @@ def build_roles(config: JobConfig, device: torch.device, tokenizer=None) -> Role
     (the teacher's from teacher.init, checked against the student's `tokenizer`). An actor
     with adapters is its own reference (adapters off): no second model is built."""
     precision, temperature = config.runtime.precision, config.rollout.sampling.temperature
-    policy = build_from_init(config.init, config.model, config.parallel, precision, "lm", device,
-                             config.actor.lora, config.runtime.seed)
+    with STARTUP.phase("actor_build_and_load"):
+        policy = build_from_init(config.init, config.model, config.parallel, precision, "lm",
+                                 device, config.actor.lora, config.runtime.seed)
     reference = None
     if config.algorithm.needs_reference:
-        frozen = policy if config.actor.lora.enabled else copy_of_stage(
-            policy, config.model, config.parallel, precision, device)
+        with STARTUP.phase("reference_copy"):
+            frozen = policy if config.actor.lora.enabled else copy_of_stage(
+                policy, config.model, config.parallel, precision, device)
         reference = Reference(frozen, config.model.vocab_size, config.actor.micro_batch_size,
                               temperature, config.reference.offload,
                               config.micro_batch_tokens("actor"), config.model,
                               config.rollout.routing_replay)
     lora = config.actor.lora
     base = base_identity(config.init, config.runtime.seed, lora) if lora.enabled else None
-    actor = Actor(make_trainable(policy, config.actor.optimizer, precision, base),
-                  config.model.vocab_size, config.actor.micro_batch_size, config.algorithm,
-                  temperature, config.rollout.importance_correction(),
+    with STARTUP.phase("optimizer"):
+        trainable = make_trainable(policy, config.actor.optimizer, precision, base)
+    actor = Actor(trainable, config.model.vocab_size, config.actor.micro_batch_size,
+                  config.algorithm, temperature, config.rollout.importance_correction(),
                   config.micro_batch_tokens("actor"), config.model,
                   config.rollout.routing_replay)
     critic = None
@@ -116,19 +120,21 @@ def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_score
     reward model they only check answers against the ground truth, and only where every row
     has one and every data source a rule (`ground_truth_checked`); else None. reward_fn: see
     `Trainer`."""
-    reward, problems = None, []
-    if config.reward.model_path and not ground_truth_checked(config, data, reward_fn):
-        return None
-    if is_scorer:
-        try:
-            rewards = RuleRewards(reward_config(config), reward_fn)
-            reward = RuleReward(rewards, data.tokenizer)
-            rewards.check_data_sources({r.data_source for r in data.records + data.validation})
-            reward.probe(data.records + data.validation)
-        except ValueError as error:
-            problems.append(str(error))
-    raise_on_any_rank(problems, ConfigError, "reward: ")
-    return reward
+    with STARTUP.phase("rule_reward"):
+        reward, problems = None, []
+        if config.reward.model_path and not ground_truth_checked(config, data, reward_fn):
+            return None
+        if is_scorer:
+            try:
+                rewards = RuleRewards(reward_config(config), reward_fn)
+                reward = RuleReward(rewards, data.tokenizer)
+                rewards.check_data_sources({r.data_source
+                                            for r in data.records + data.validation})
+                reward.probe(data.records + data.validation)
+            except ValueError as error:
+                problems.append(str(error))
+        raise_on_any_rank(problems, ConfigError, "reward: ")
+        return reward
 
 
 def build_episode_runner(config: JobConfig, data: TrainingData
@@ -262,9 +268,11 @@ def build_engine_and_roles(config: JobConfig, device: torch.device, tokenizer=No
     actor's module."""
     length = config.sequence_length()
     if config.rollout.engine == "vllm":
-        training = megatron_training_layout(config.model, config.parallel.megatron_order())
-        engine, weight_sync = build_vllm_engine(config, length, weight_plan(config, training))
-        engine.sleep()
+        with STARTUP.phase("engine_start"):
+            training = megatron_training_layout(config.model, config.parallel.megatron_order())
+            engine, weight_sync = build_vllm_engine(config, length,
+                                                    weight_plan(config, training))
+            engine.sleep()
         # vLLM seeds torch with its own per-instance seed: reseed, or randomly initialised
         # data-parallel replicas would start from different weights.
         seed_everything(config.runtime.seed)
@@ -298,6 +306,16 @@ def weight_plan(config: JobConfig, training: TrainingLayout,
     return build_plan(training, rollout, DTYPES[config.runtime.precision])
 
 
+def _running_sequences(config: JobConfig) -> int | None:
+    """The most sequences one engine instance runs at once in colocated placement: its part of
+    a step's prompts x n (the KV cache is sized for them on CPUs; an evaluation's larger calls
+    queue). None in split placement, whose engines keep batches of several versions in flight."""
+    if config.placement.split:
+        return None
+    instances = dist.get_world_size() // config.rollout.rollout_tp
+    return -(-config.rollout.prompts_per_step // instances) * config.rollout.sampling.n
+
+
 def build_vllm_engine(config: JobConfig, context: int, plan: ReshardPlan,
                       transport: Transport | None = None):
     """A vLLM engine (awake) for sequences of `context` tokens over this side's world, and the
@@ -321,7 +339,8 @@ def build_vllm_engine(config: JobConfig, context: int, plan: ReshardPlan,
                         weight_layout=weight_layout, capture_routes=rollout.captures_routes,
                         expert_parallel=plan.rollout.expert_parallel,
                         prefix_caching=rollout.prefix_caching,
-                        full_logprobs=rollout.vllm_raw_logprobs)
+                        full_logprobs=rollout.vllm_raw_logprobs,
+                        max_num_seqs=_running_sequences(config))
     resharder = Resharder(plan, rollout.sync_bucket_mb * 2 ** 20, transport)
     if weight_layout == "vllm":
         engine.check_plan(plan.wanted_shapes(resharder.rank), plan.dtype)

@@ -96,12 +96,15 @@ class Trainer:
         rollouts (instead of rollout.multi_turn.environment). agent: a module-level
         `async def run(row, base_url) -> reward` driving each episode through an OpenAI
         endpoint on the rank's engine (instead of rollout.multi_turn.agent)."""
+        from mcore_rl.observability.startup import STARTUP, FirstStepLogger
+
         launch = read_launch_env()
         if environment is not None:
             config = with_environment(config, environment)
         if agent is not None:
             config = with_agent(config, agent)
-        config = self.config = settled_config(config, launch, actor_model, critic_model)
+        with STARTUP.phase("config_check"):
+            config = self.config = settled_config(config, launch, actor_model, critic_model)
         if config.placement.side_of(launch.rank, launch.world_size) == "rollout":
             raise ValueError(f"rank {launch.rank} is a rollout rank of split placement "
                              f"(placement.rollout_ranks={config.placement.rollout_ranks}): run "
@@ -109,7 +112,8 @@ class Trainer:
         self.preemption = PreemptionFlag(config.trainer.save_signal)
         self.preempted = False
         """Whether fit() stopped early on trainer.save_signal (after saving)."""
-        self.runtime = initialize(config, launch)
+        with STARTUP.phase("process_groups"):
+            self.runtime = initialize(config, launch)
         self.checkpoint_dir = os.path.join(config.runtime.output_dir, "checkpoints")
         resumable = config.trainer.resume and (
             checkpointer.latest_checkpoint(self.checkpoint_dir) or _same_run(config))
@@ -119,7 +123,8 @@ class Trainer:
         here = training_rank()
         self.dp_group = training_group("dp")
         shard_group = training_group("shard")
-        self.data = load_training_data(config, here.dp_rank, here.dp_size)
+        with STARTUP.phase("data"):
+            self.data = load_training_data(config, here.dp_rank, here.dp_size)
         if self.runtime.split is None:
             self.roles, self.scheduler = _colocated_rollouts(config, self.data, reward_fn,
                                                               self.runtime, shard_group,
@@ -139,7 +144,7 @@ class Trainer:
         self.step = 0
         self.guards = StepGuards(config.trainer.max_bad_steps, config.reward.max_failed_steps,
                                  self.checkpoint_dir)
-        self.logger = MetricsLogger.for_job(config)
+        self.logger = FirstStepLogger(MetricsLogger.for_job(config), STARTUP)
         self.timeline = Timeline(config.runtime.output_dir)
         self.trained_prompts = TrainedPromptsLog(config.runtime.output_dir, self.dp_group)
         if dist.get_rank() == 0:
@@ -149,6 +154,7 @@ class Trainer:
             self._resume()
         self.scheduler.start(self.step)
         self.preemption.arm()
+        STARTUP.report(dist.get_rank())
 
     # -- the step ---------------------------------------------------------------------------
     def collect_data(self, prompts: list | None = None) -> Experience:
@@ -209,6 +215,8 @@ class Trainer:
         self.scheduler.policy_updated(self.step + 1, timer)
         metrics = derived_metrics(experience.stats.reduce(self.dp_group))
         metrics.update(updates.means())  # already global: every rank holds the same values
+        metrics["training/padded_fraction"] = (metrics["actor/padded_tokens"]
+                                               / max(metrics["actor/forward_tokens"], 1.0))
         metrics.update(timer.metrics())
         metrics.update(peak_memory_metrics())
         seconds = time.perf_counter() - experience.started

@@ -11,6 +11,8 @@ in which x_t was chosen. Position 0 has no predecessor and is always 0.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 Batch = dict[str, torch.Tensor]
@@ -77,6 +79,102 @@ def token_budget_micro_batches(batch: Batch, max_tokens: int, length_multiple: i
         micro_batches.append({name: tensor[index, :cut] if tensor.dim() > 1 else tensor[index]
                               for name, tensor in batch.items()})
     return micro_batches, order
+
+
+def packed_micro_batches(batch: Batch, max_tokens: int, length_multiple: int = 1
+                         ) -> tuple[list[Batch], torch.Tensor]:
+    """Micro-batches whose rows, concatenated without padding (`PackedRows`), hold at most
+    `max_tokens` tokens (their total rounded up to `length_multiple`): rows sorted longest
+    first go to the first micro-batch they fit (first-fit decreasing). Each micro-batch is
+    still given in row form ([b, s] cut to its longest row, what loss functions read), with
+    `pack_offsets` [b]: where each row starts in the packed sequence. Returns the micro-batches
+    and `order`: their rows, concatenated, are `batch` rows `order`."""
+    lengths = batch["attention_mask"].sum(dim=1).tolist()  # one host read per pass
+
+    def rounded(tokens: int) -> int:
+        return -(-max(tokens, 1) // length_multiple) * length_multiple
+
+    groups: list[list[int]] = []
+    used: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda row: -lengths[row]):  # stable
+        if rounded(lengths[row]) > max_tokens:
+            raise ValueError(f"a sequence of {rounded(lengths[row])} tokens does not fit the "
+                             f"micro-batch token budget of {max_tokens}")
+        fits = next((index for index, total in enumerate(used)
+                     if rounded(total + lengths[row]) <= max_tokens), None)
+        if fits is None:
+            groups.append([]), used.append(0)
+            fits = len(groups) - 1
+        groups[fits].append(row)
+        used[fits] += lengths[row]
+    micro_batches = []
+    for rows in groups:
+        cut = max(1, lengths[rows[0]])
+        index = torch.tensor(rows)
+        micro_batch = {name: tensor[index, :cut] if tensor.dim() > 1 else tensor[index]
+                       for name, tensor in batch.items()}
+        offsets = [0]
+        for row in rows[:-1]:
+            offsets.append(offsets[-1] + lengths[row])
+        micro_batch["pack_offsets"] = torch.tensor(offsets)
+        micro_batches.append(micro_batch)
+    return micro_batches, torch.tensor([row for rows in groups for row in rows],
+                                       dtype=torch.long)
+
+
+@dataclass
+class PackedRows:
+    """How a row-form micro-batch ([b, s], right-padded) is laid out as one packed sequence
+    [1, t]: rows back to back, then (when the total is not a multiple of what context or
+    sequence parallelism needs) one padding segment. Built on the host from host tensors (no
+    device synchronisation), its index tensors moved once per micro-batch (`to`)."""
+
+    lengths: tuple[int, ...]
+    """Each row's tokens."""
+    segments: tuple[int, ...]
+    """The packed sequence's segments: the rows' lengths and the final padding, if any."""
+    length: int
+    """t: the packed sequence's length (a multiple of the length multiple)."""
+    gather: torch.Tensor
+    """[t] long: the flat row-form position ([b x s]) of each packed position (padding: 0)."""
+    scatter: torch.Tensor
+    """[b, s] long: the packed position of each row-form position (padding: 0)."""
+
+    @classmethod
+    def of(cls, micro_batch: Batch, length_multiple: int = 1) -> "PackedRows":
+        rows, width = micro_batch["input_ids"].shape
+        lengths = micro_batch["attention_mask"].sum(dim=1).tolist()
+        total = sum(lengths)
+        length = -(-max(total, 1) // length_multiple) * length_multiple
+        segments = tuple(value for value in lengths if value) + \
+            ((length - total,) if length > total else ())
+        offsets = torch.tensor([0] + lengths).cumsum(0)
+        columns = torch.arange(width)
+        scatter = offsets[:-1, None] + columns[None, :]
+        valid = columns[None, :] < torch.tensor(lengths)[:, None]
+        gather = torch.zeros(length, dtype=torch.long)
+        gather[scatter[valid]] = (torch.arange(rows)[:, None] * width + columns[None, :])[valid]
+        return cls(tuple(lengths), segments, length, gather,
+                   torch.where(valid, scatter, torch.zeros_like(scatter)))
+
+    def to(self, device) -> "PackedRows":
+        return PackedRows(self.lengths, self.segments, self.length,
+                          self.gather.to(device, non_blocking=True),
+                          self.scatter.to(device, non_blocking=True))
+
+    def cu_seqlens(self, device=None) -> torch.Tensor:
+        """[segments + 1] int32 cumulative segment lengths (the padding is a segment of its
+        own, so that its positions attend only among themselves)."""
+        return torch.tensor((0, *self.segments), dtype=torch.int32).cumsum(0, dtype=torch.int32
+                                                                          ).to(device)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Row-form [b, s, ...] -> packed [1, t, ...]."""
+        return tensor.reshape(-1, *tensor.shape[2:])[self.gather].unsqueeze(0)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed [1, t, ...] -> row-form [b, s, ...] (padding positions hold any value)."""
+        return packed[0][self.scatter]
 
 
 def pad_columns_to_multiple(batch: Batch, multiple: int, fill: dict[str, int] | None = None

@@ -24,6 +24,7 @@ aggregation is exact whatever the layout.
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -38,9 +39,11 @@ from ..models.logprobs import vocab_parallel_logprobs_and_entropy
 from ..models.moe_routing import NO_ROUTE, RoutingPass
 from ..runtime.devices import collective_device, module_device, to_device
 from ..runtime.layout import training_group, training_rank
+from ..runtime.log import print0
 from ..runtime.model_groups import ModelGroups
-from .batches import (Batch, align_to_tokens, check_batch, pad_columns_to_multiple,
-                      split_micro_batches, token_budget_micro_batches)
+from .batches import (Batch, PackedRows, align_to_tokens, check_batch,
+                      pad_columns_to_multiple, packed_micro_batches, split_micro_batches,
+                      token_budget_micro_batches)
 from .optimizer import TrainableModel
 
 LossFn = Callable[[dict, Batch], tuple]
@@ -48,17 +51,22 @@ LossFn = Callable[[dict, Batch], tuple]
 
 
 def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
-                       vocab_size: int, temperature: float, tp_group, cp_group) -> dict:
+                       vocab_size: int, temperature: float, tp_group, cp_group,
+                       packing: PackedRows | None = None) -> dict:
     """Megatron's last-stage output [b, s', v_local or 1] for the last s' <= s positions, or
-    under context parallelism for this rank's two chunks -> token-aligned [b, s] tensors.
+    under context parallelism for this rank's two chunks, or for a packed micro-batch
+    [1, t', ...] for the last t' <= t packed positions -> token-aligned [b, s] tensors.
     Logits are divided by the sampling temperature (in fp32, as the engine does), so log-probs
     score the distribution the engine sampled from."""
     mask = micro_batch["attention_mask"]
+    length = packing.length if packing is not None else mask.shape[1]
     if head == "scalar":
         per_position = {"values": output.squeeze(-1).float()}
     else:
         next_tokens = torch.roll(micro_batch["input_ids"], shifts=-1, dims=1)
-        next_tokens = (next_tokens[:, mask.shape[1] - output.shape[1]:] if cp_group is None
+        if packing is not None:  # a row's last output is about padding: zeroed below
+            next_tokens = packing.pack(next_tokens)
+        next_tokens = (next_tokens[:, length - output.shape[1]:] if cp_group is None
                        else split_for_rank(next_tokens, 1, cp_group.rank(), cp_group.size()))
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(
             output, next_tokens, vocab_size, tp_group, temperature)
@@ -66,17 +74,22 @@ def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
     if cp_group is not None:
         per_position = {name: gather_per_token(tensor, cp_group)
                         for name, tensor in per_position.items()}
-    return {name: align_to_tokens(torch.nn.functional.pad(
-        tensor, (mask.shape[1] - tensor.shape[1], 0)), mask)
-        for name, tensor in per_position.items()}
+    per_position = {name: torch.nn.functional.pad(tensor, (length - tensor.shape[1], 0))
+                    for name, tensor in per_position.items()}
+    if packing is not None:
+        per_position = {name: packing.unpack(tensor) for name, tensor in per_position.items()}
+    return {name: align_to_tokens(tensor, mask) for name, tensor in per_position.items()}
 
 
-def _first_output_position(micro_batch: Batch) -> int:
+def _first_output_position(micro_batch: Batch, packing: PackedRows | None = None) -> int:
     """The first position whose output is used: the one before the first token of
-    `output_mask` (the output at t - 1 is about token t); 0 without a mask."""
+    `output_mask` (the output at t - 1 is about token t); 0 without a mask. Of the packed
+    sequence with `packing`."""
     mask = micro_batch.get("output_mask")
     if mask is None:
         return 0
+    if packing is not None:
+        mask = packing.pack(mask * micro_batch["attention_mask"])
     columns = mask.bool().any(dim=0).nonzero()
     return max(int(columns[0]) - 1, 0) if len(columns) else 0
 
@@ -104,28 +117,44 @@ def _forward_step(head: str, vocab_size: int, temperature: float, pipeline: "_Pi
                   data_iterator, model):
     micro_batch = next(data_iterator)
     cp_group = pipeline.cp_group
-    # Before the copy (no device sync); under CP a rank's positions are not one suffix.
-    first = _first_output_position(micro_batch) if cp_group is None else 0
+    # Before the copy (no device sync): the packing of a packed micro-batch (host integers),
+    # the first used position (under CP a rank's positions are not one suffix).
+    packing, packed = _packing(micro_batch, model)
+    first = _first_output_position(micro_batch, packing) if cp_group is None else 0
     micro_batch = to_device(micro_batch, device)
+    if packing is not None:
+        if routing is not None:
+            raise ValueError("packed micro-batches cannot replay or observe MoE routes "
+                             "(routes are kept by row)")
     input_ids = micro_batch["input_ids"]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    if packing is not None:  # positions restart per row (RoPE's from packed_seq_params)
+        packing = packing.to(device)
+        input_ids, positions = packing.pack(input_ids), packing.pack(positions)
+    # What the model runs over, and how much of it is padding (a host integer and a device
+    # scalar: averaged over micro-batches like the loss's metrics, their ratio is the pass's
+    # padded share).
+    positions_run = input_ids.numel()
+    padded_positions = positions_run - micro_batch["attention_mask"].sum()
     if cp_group is not None:
         input_ids, positions = (split_for_rank(tensor, 1, cp_group.rank(), cp_group.size())
                                 for tensor in (input_ids, positions))
     routers = routing.micro_batch(model, micro_batch) if routing else nullcontext()
     with _output_layer_from(model, first), routers:
-        output = model(input_ids, positions, attention_mask=None)
+        output = model(input_ids, positions, attention_mask=None,
+                       **({"packed_seq_params": packed} if packed is not None else {}))
 
     def loss_func(output_tensor, non_loss_data: bool = False):
         outputs = _per_token_outputs(output_tensor, micro_batch, head, vocab_size, temperature,
-                                     pipeline.tp_group, cp_group)
+                                     pipeline.tp_group, cp_group, packing)
         if non_loss_data:
             return {name: tensor.detach() for name, tensor in outputs.items()}
         numerator, denominator, metrics = loss_fn(outputs, micro_batch)
         device = numerator.device
         denominator = torch.as_tensor(denominator, dtype=torch.int, device=device)
         metrics = dict(metrics, loss_numerator=numerator.detach(),
-                       loss_denominator=denominator.float())
+                       loss_denominator=denominator.float(), forward_tokens=positions_run,
+                       padded_tokens=padded_positions)
         if cp_group is not None and cp_group.rank() > 0:
             # Every CP rank computes the whole loss from the gathered outputs (its gradient
             # reaches its own positions only); Megatron sums the token counts over DP x CP.
@@ -136,11 +165,14 @@ def _forward_step(head: str, vocab_size: int, temperature: float, pipeline: "_Pi
 
 
 def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
-                   max_tokens: int) -> tuple[list[Batch], torch.Tensor | None, int]:
-    """Fixed-size micro-batches, or with a token budget (max_tokens > 0) length-sorted ones of
-    varying shapes (then also the row order; see batches.token_budget_micro_batches), followed
-    by fillers (`_expert_group_fillers`); returns (micro-batches, order, how many are real:
-    the schedule's results past those are the fillers', to drop)."""
+                   max_tokens: int, pack: bool = True
+                   ) -> tuple[list[Batch], torch.Tensor | None, int]:
+    """Fixed-size micro-batches, or with a token budget (max_tokens > 0) packed ones (rows
+    back to back without padding, see batches.packed_micro_batches) where the model takes
+    them (`_packing_refused`) and `pack` asks, else length-sorted ones of varying shapes (see
+    batches.token_budget_micro_batches), then also the row order; followed by fillers
+    (`_expert_group_fillers`); returns (micro-batches, order, how many are real: the
+    schedule's results past those are the fillers', to drop)."""
     from megatron.core.utils import get_model_config
 
     config = get_model_config(chunks[0])
@@ -148,6 +180,9 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
     length_multiple = _length_multiple(config)
     if max_tokens <= 0:
         micro_batches, order = split_micro_batches(batch, micro_batch_size), None
+    elif pack and not _packing_refused(config, batch):
+        micro_batches, order = packed_micro_batches(batch, max_tokens, length_multiple)
+        return micro_batches, order, len(micro_batches)
     else:
         micro_batches, order = token_budget_micro_batches(batch, max_tokens, length_multiple)
     micro_batches = [pad_columns_to_multiple(micro_batch, length_multiple,
@@ -155,6 +190,50 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
                      for micro_batch in micro_batches]
     fillers = _expert_group_fillers(micro_batches, length_multiple) if max_tokens > 0 else []
     return micro_batches + fillers, order, len(micro_batches)
+
+
+def _packing_refused(config, batch: Batch) -> str | None:
+    """Why a token-budget pass keeps padded rows instead of packing them (said once per
+    reason), or None. Packing needs attention that takes Megatron's packed sequences (models/
+    attention.py's SdpaAttention, or Transformer Engine's); with sequence parallelism the
+    packed sequence ends on a multiple of the TP size. Context parallelism would need each
+    sequence split into 2 x CP chunks (not built); an MoE model's routes are replayed and kept
+    by row (not built), so MoE models keep rows."""
+    reason = None
+    if config.context_parallel_size > 1:
+        reason = "context parallelism"
+    elif config.num_moe_experts:
+        reason = "a Mixture-of-Experts model (routes are replayed and kept by row)"
+    elif "routed_experts" in batch or "row_ids" in batch:
+        reason = "routes kept by row"
+    if reason is not None:
+        _say_unpacked(reason)
+    return reason
+
+
+@functools.cache
+def _say_unpacked(reason: str) -> None:
+    print0(f"note: token-budget micro-batches keep padded rows (no sequence packing) under "
+           f"{reason}")
+
+
+def _packing(micro_batch: Batch, model) -> tuple[PackedRows | None, object]:
+    """A packed micro-batch's layout (host tensors) and Megatron's packed-sequence
+    parameters for it, or (None, None) for a row-form one. `cu_seqlens` stay on the host for
+    the unfused RoPE (which reads them with `.tolist()` in every layer) and go to the model's
+    device for Transformer Engine's fused RoPE or attention."""
+    if "pack_offsets" not in micro_batch:
+        return None, None
+    from megatron.core.utils import get_model_config
+
+    from ..models.attention import SdpaAttention, packed_sequences
+
+    config = get_model_config(model)
+    packing = PackedRows.of(micro_batch, _length_multiple(config))
+    on_device = config.apply_rope_fusion or not any(
+        isinstance(module, SdpaAttention) for module in model.modules())
+    cu_seqlens = packing.cu_seqlens(module_device(model) if on_device else None)
+    return packing, packed_sequences(packing.segments, cu_seqlens)
 
 
 def _length_multiple(config) -> int:
