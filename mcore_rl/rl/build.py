@@ -309,8 +309,10 @@ def weight_plan(config: JobConfig, training: TrainingLayout,
 def _running_sequences(config: JobConfig) -> int | None:
     """The most sequences one engine instance runs at once in colocated placement: its part of
     a step's prompts x n (the KV cache is sized for them on CPUs; an evaluation's larger calls
-    queue). None in split placement, whose engines keep batches of several versions in flight."""
-    if config.placement.split:
+    queue). None in split placement, whose engines keep batches of several versions in flight,
+    and for vLLM's expert parallelism over data-parallel instances: an instance left idle
+    while another still queues runs dummy steps, which the route capture misreads."""
+    if config.placement.split or config.rollout.expert_parallel:
         return None
     instances = dist.get_world_size() // config.rollout.rollout_tp
     return -(-config.rollout.prompts_per_step // instances) * config.rollout.sampling.n
