@@ -47,12 +47,12 @@ import uuid
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from mcore_rl.observability.step_metrics import MACHINE_METRIC_PREFIXES  # noqa: E402
 from mcore_rl.observability.trained_prompts import read_trained_prompts  # noqa: E402
 from mcore_rl.runtime.faults import KILL_AT_VARIABLE, TARGETS, parse_kill_at  # noqa: E402
 from mcore_rl.runtime.process_guard import TEMP_PREFIX, system_temp_dir  # noqa: E402
 PHASES = ("generate", "reshard", "update", "save", "evaluate")
-UNCOMPARED = ("wall_time", "time/", "throughput/", "memory/")
-"""Metrics that measure the machine, not the training."""
+UNCOMPARED = ("wall_time", *MACHINE_METRIC_PREFIXES)
 
 MARKER = "MCORE_RL_CHAOS_RUN"
 CLEAN_WITHIN_SECONDS = 15

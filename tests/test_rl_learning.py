@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from mcore_rl.observability.step_metrics import MACHINE_METRIC_PREFIXES
 from world import run_world
 
 pytestmark = pytest.mark.skipif(
@@ -143,8 +144,7 @@ def test_update_old_logprobs_equal_a_separate_pass(tmp_path, tokenizer_dir, one_
     engine/trainer mismatch, the KL to the reference, to 1e-6, and no logprobs phase time."""
     own = seeded_steps(tmp_path, tokenizer_dir, "update", 1, ["rollout.old_logprobs=update"])
     for exact, update in zip(one_rank_steps, own, strict=True):
-        compared = [name for name in exact if not name.startswith(("time/", "throughput/",
-                                                                   "memory/"))]
+        compared = [name for name in exact if not name.startswith(MACHINE_METRIC_PREFIXES)]
         assert set(compared) <= set(update)
         for name in compared:
             assert update[name] == pytest.approx(exact[name], rel=1e-6, abs=1e-9), name

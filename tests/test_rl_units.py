@@ -332,8 +332,11 @@ def test_rl_config_rules_name_the_fields():
     assert "rollout.engine='sglang'" in message
     config = load_config(None, ["data.toy.size=8", "rollout.prompts_per_step=4",
                                 "rollout.sampling.n=3", "actor.micro_batch_size=4"])
+    validate_rl(config, 2)  # a token budget (the default) takes any count of rows
+    fixed_rows = dataclasses.replace(config, actor=dataclasses.replace(
+        config.actor, max_tokens_per_micro_batch=0))
     with pytest.raises(ConfigError, match="actor.micro_batch_size=4 must divide the 6"):
-        validate_rl(config, 2)
+        validate_rl(fixed_rows, 2)
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         validate_rl(dataclasses.replace(config, data=dataclasses.replace(
             config.data, max_prompt_tokens=10 ** 6)), 1)

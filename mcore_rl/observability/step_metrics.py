@@ -22,6 +22,10 @@ import torch.distributed as dist
 from mcore_rl.runtime.devices import collective_device
 from mcore_rl.runtime.faults import kill_point
 
+MACHINE_METRIC_PREFIXES = ("time/", "throughput/", "memory/", "startup/")
+"""Metric names that measure the machine (seconds, rates, bytes), not the training: two runs of
+the same job differ in them, so comparisons of runs (resume, placement, chaos) leave them out."""
+
 
 class PhaseTimer:
     """Wall-clock seconds per named phase of one step (`with timer("generate"): ...`), and when
