@@ -150,7 +150,8 @@ def bench(args, out_path: str) -> None:
         before = _rss_mb()
         engine.sleep()
         after = _rss_mb()
-        engine.wake()
+        if engine.weights_survive_sleep:  # else the next sync brings them back
+            engine.wake()
         results["sleep_mb"][name] = (before, after)
     results["device"] = str(next(actor.parameters()).device)
     results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -194,8 +194,11 @@ def write_sft_model(folder: str, args) -> None:
 
 
 def write_prompts(work_dir: str, args) -> None:
-    """train.jsonl / val.jsonl for TRL: exactly the records mcore_rl's data source makes (data.toy,
-    or data.reasoning_gym with --model smollm2), in the same order."""
+    """train.jsonl / val.jsonl in verl's row format (prompt, data_source, reward_model.
+    ground_truth, extra_info): exactly the records mcore_rl's data source makes (data.toy, or
+    data.reasoning_gym with --model smollm2), in the same order. TRL reads them; so does
+    mcore_rl with --model smollm2 (data.train_files), so that neither side's start-up
+    generates the tasks."""
     from mcore_rl.config.data import VAL_SEED_OFFSET
 
     if args.model == "smollm2":
@@ -212,18 +215,17 @@ def write_prompts(work_dir: str, args) -> None:
         with open(os.path.join(work_dir, f"{name}.jsonl"), "w") as handle:
             for record in records:
                 handle.write(json.dumps({"prompt": record.prompt,
-                                         "ground_truth": record.ground_truth,
                                          "data_source": record.data_source,
-                                         "extra_info": json.dumps(record.extra_info)}) + "\n")
+                                         "reward_model": {"ground_truth": record.ground_truth},
+                                         "extra_info": record.extra_info}) + "\n")
 
 
 def data_section(args) -> dict:
     """mcore_rl's data config for the prompts write_prompts gives TRL."""
     if args.model == "smollm2":
         return {"max_prompt_tokens": 128, "shuffle": False, "apply_chat_template": "auto",
-                "reasoning_gym": {"tasks": list(SMOLLM2_TASK), "task_kwargs": SMOLLM2_TASK,
-                                  "system_prompt": SMOLLM2_SYSTEM, "size": args.train_size,
-                                  "val_size": args.val_size, "seed": args.data_seed}}
+                "train_files": [os.path.join(args.work_dir, "train.jsonl")],
+                "val_files": [os.path.join(args.work_dir, "val.jsonl")]}
     return {"max_prompt_tokens": 8, "shuffle": False,
             "toy": {"size": args.train_size, "val_size": args.val_size, "seed": args.data_seed}}
 

@@ -56,16 +56,21 @@ def peak_resident_mb() -> dict:
     return {"self_mb": own, "children_mb": children, "peak_mb": own + children}
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def _read_rows(path: str) -> list[dict]:
+    """The bench's verl-format rows as the reward below takes them: ground_truth a column,
+    extra_info JSON text (its nested entries vary by task, which a datasets column cannot)."""
     with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+        rows = [json.loads(line) for line in handle if line.strip()]
+    return [{"prompt": row["prompt"], "data_source": row["data_source"],
+             "ground_truth": row["reward_model"]["ground_truth"],
+             "extra_info": json.dumps(row["extra_info"])} for row in rows]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--train", required=True, help="JSONL: prompt, ground_truth")
-    parser.add_argument("--val", required=True, help="JSONL: prompt, ground_truth")
+    parser.add_argument("--train", required=True, help="JSONL in verl's row format")
+    parser.add_argument("--val", required=True, help="JSONL in verl's row format")
     parser.add_argument("--out", required=True, help="result JSON")
     parser.add_argument("--work-dir", required=True)
     parser.add_argument("--t0", type=float, required=True, help="launch time (time.time())")
@@ -97,8 +102,12 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     score = _scorer(*SCORERS[args.task])
-    train = Dataset.from_list(_read_jsonl(args.train))
-    val = _read_jsonl(args.val)
+    rows, val = _read_rows(args.train), _read_rows(args.val)
+    # Built once per task before training, as mcore_rl's reward does at start-up (its rule
+    # reward phase), so that neither side's first step imports the task's library.
+    for source in {row["data_source"] for row in rows + val}:
+        getattr(score, "prepare", lambda _: None)(source)
+    train = Dataset.from_list(rows)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
 

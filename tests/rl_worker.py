@@ -252,7 +252,8 @@ def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
     evaluation = trainer.evaluate() if trainer.config.algorithm.needs_reference else None
     engine, held_routes = trainer.scheduler.generator.engine, None
     if engine._moe_layers:  # episodes' path: streamed, no routes to keep
-        held_routes = _stream_and_count_held_routes(engine, prompts, greedy)
+        held_routes = _stream_and_count_held_routes(trainer.scheduler.generator, prompts,
+                                                    greedy)
     vllm_config = engine.llm.llm_engine.vllm_config
     result = {"history": history, "rank_order": trainer.config.parallel.rank_order,
               "vllm": [c.token_ids for c in vllm_greedy.completions],
@@ -268,18 +269,19 @@ def weight_sync_steps(out_path: str, overrides: list[str]) -> None:
     trainer.close()
 
 
-def _stream_and_count_held_routes(engine, prompts, sampling) -> int:
+def _stream_and_count_held_routes(generator, prompts, sampling) -> int:
     """Generate through the engine's streaming interface (as multi-turn episodes and split
     placement do), then the number of engine steps and requests whose MoE routes the engine
     still holds."""
     from mcore_rl.rollout import SampleRequest
 
     seeded = dataclasses.replace(sampling, seed=1)
-    engine.wake()  # the trainer puts it to sleep between generations
-    engine.add_requests([SampleRequest(f"stream{index}", list(prompt), seeded, index, 0)
-                         for index, prompt in enumerate(prompts[:4])])
-    while engine.has_unfinished():
-        engine.step()
+    engine = generator.engine
+    with generator.awake():  # the trainer puts it to sleep between generations
+        engine.add_requests([SampleRequest(f"stream{index}", list(prompt), seeded, index, 0)
+                             for index, prompt in enumerate(prompts[:4])])
+        while engine.has_unfinished():
+            engine.step()
     return engine.llm.collective_rpc(_held_route_steps)[0] + len(engine._stream_routes)
 
 

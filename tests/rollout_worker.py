@@ -106,6 +106,13 @@ def engine_checks(engine, module, sync, prompts: list) -> dict:
         found["sleeping_update"] = "no error"
     except EngineError as error:
         found["sleeping_update"] = str(error)
+    found["released_weight_bytes"] = getattr(engine, "released_weight_bytes", 0)
+    if not engine.weights_survive_sleep:
+        try:
+            engine.wake()
+            found["released_wake"] = "no error"
+        except EngineError as error:
+            found["released_wake"] = str(error)
     engine.wake_weights()
     sync()
     engine.wake()

@@ -94,6 +94,23 @@ def test_sleep_refuses_generation_and_wake_restores_it(results, engine):
         else:
             assert "call wake_weights() first" in found["sleeping_update"]
         assert found["after_wake"] == found["greedy"]["tokens"][0]
+        if engine == "vllm":  # CPU, sleep level 2: the packed weights go until the next sync
+            assert "update_weights() first" in found["released_wake"]
+            assert found["released_weight_bytes"] == _packed_bytes_per_rank()
+
+
+def _packed_bytes_per_rank(rollout_tp: int = 2) -> int:
+    """fp32 bytes of one rollout-TP rank's linear layers, LM head and embedding (vLLM's CPU
+    layers pack the embedding too, tied or not), from the model's shape (vLLM pads the
+    vocabulary to a multiple of 64)."""
+    from rollout_worker import MODEL
+
+    hidden, ffn = MODEL.hidden_size, MODEL.ffn_hidden_size
+    head = hidden // MODEL.num_attention_heads
+    qkv = (MODEL.num_attention_heads + 2 * MODEL.num_kv_heads) * head * hidden
+    layer = qkv + hidden * hidden + 3 * ffn * hidden
+    vocab = -(-MODEL.vocab_size // 64) * 64
+    return 4 * (MODEL.num_layers * layer + 2 * vocab * hidden) // rollout_tp
 
 
 @pytest.mark.parametrize("engine", ENGINES)

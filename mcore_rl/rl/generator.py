@@ -62,6 +62,18 @@ class PolicyGenerator:
         """The actor's weights changed: the next generation syncs first."""
         self.weights_current = False
 
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Syncs made meanwhile (an evaluation's) stay out of the next step's reshard/*
+        metrics, which then describe the step's own generation alone (a resumed run's step
+        repeats them whether or not an evaluation came before it)."""
+        before = list(self.weight_sync.since_last_step) if self.weight_sync else []
+        try:
+            yield
+        finally:
+            if self.weight_sync is not None:
+                self.weight_sync.since_last_step = before
+
     def add_metrics(self, stats: SumsAndCounts) -> None:
         """The weight syncs' bytes and memory since the last call."""
         if self.weight_sync is not None:

@@ -74,8 +74,9 @@ class RolloutScheduler:
         """This rank's validation prompts answered with the current policy and scored:
         (records, generation, results)."""
         records, token_ids = self.data.validation_shard()
-        generation = self._generate(records, token_ids,
-                                    evaluation_sampling(self.config, self.data.stop_token_ids))
+        with self.generator.uncounted():
+            generation = self._generate(records, token_ids, evaluation_sampling(
+                self.config, self.data.stop_token_ids))
         generation, results = self.scorer.score(generation, records, f"step{step}")
         return records, generation, results
 

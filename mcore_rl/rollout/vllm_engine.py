@@ -23,8 +23,11 @@ ship); `check_plan` refuses a plan whose shards do not match the engine's parame
 On GPUs the engine sleeps between generate phases (vLLM's sleep mode, level 2 by default:
 weights and KV cache unmapped, nothing kept in host memory) and wakes in two halves: its weight
 memory first, so the trainer can write the new weights into mapped memory, then, after training
-has parked its state, the KV cache. CPU builds have no sleep mode; the same calls then only
-track the state, so CI still catches a load into a sleeping engine.
+has parked its state, the KV cache. CPU builds have no sleep mode; there level 2 drops the
+packed GEMM handles, which hold the linear layers' weights (a model's size of host memory the
+update would otherwise hold beside the trainer's state), and the next sync packs them again, as
+every sync does (`_release_packed_weights`); the calls also track the state, so CI still
+catches a load into a sleeping engine.
 
 Prefix caching (on by default): requests whose prompts begin alike (the n samples of a prompt,
 each turn of a conversation after the first) reuse the keys and values of their common prefix,
@@ -139,9 +142,18 @@ class VllmEngine(RolloutEngine):
         """Streamed requests whose log-probs vLLM cannot report (`_logprobs_reported`)."""
         self._sleeping = False
         self._weights_mapped = True
+        self._weights_loaded = True
+        """False from a sleep that released the weights until the next update_weights."""
         self._sleep_mode = _sleep_mode_available()
         self.sleep_level = sleep_level
-        self.weights_survive_sleep = not (self._sleep_mode and sleep_level == 2)
+        self._releases_packed_weights = (not self._sleep_mode and sleep_level == 2
+                                         and weight_layout == "vllm")
+        """CPU level 2: the packed weights are dropped at sleep; "full" reloads through vLLM's
+        loader, which cannot fill an emptied parameter."""
+        self.released_weight_bytes = 0
+        """Bytes of packed weights the last sleep released (CPU level 2)."""
+        self.weights_survive_sleep = not ((self._sleep_mode and sleep_level == 2)
+                                          or self._releases_packed_weights)
         world = dist.get_world_size()
         problems = _start_problems(model_dir, model, rollout_tp, world, dtype,
                                    gpu_memory_utilization, captures_routes)
@@ -343,6 +355,7 @@ class VllmEngine(RolloutEngine):
                               "shards that are coming")
         self.llm.collective_rpc(_load_shards, args=(named_tensors, self._layer_completed_by,
                                                     _tied_head(self.model)))
+        self._weights_loaded = True
 
     def _forget_cached_prefixes(self) -> None:
         """Every weight change goes through here (`update_weights`, the only way weights reach
@@ -381,12 +394,20 @@ class VllmEngine(RolloutEngine):
     def sleep(self) -> None:
         """vLLM's sleep mode where the platform has it (level 2: weights and KV cache freed,
         no host copy; level 1: weights copied to host memory; either drops the prefix cache);
-        elsewhere (CPU) only the prefix cache is dropped, so that no prefix outlives a
-        generate phase there either."""
+        elsewhere (CPU) the prefix cache is dropped, so that no prefix outlives a generate
+        phase there either, and at level 2 the packed weights (`_release_packed_weights`)."""
         if self._sleep_mode:
             self.llm.sleep(level=self.sleep_level)
         else:
             self.llm.reset_prefix_cache()
+        if self._releases_packed_weights and not self._sleeping:
+            first = not self.released_weight_bytes
+            self.released_weight_bytes = self.llm.collective_rpc(_release_packed_weights)[0]
+            self._weights_loaded = False
+            if first and dist.get_rank() == 0:
+                print(f"vLLM (CPU, sleep level 2) releases its packed weights between generate "
+                      f"phases ({self.released_weight_bytes / 2 ** 20:.0f} MB on rank 0); each "
+                      f"sync packs them again", flush=True)
         self._sleeping = True
         self._weights_mapped = False
 
@@ -396,6 +417,9 @@ class VllmEngine(RolloutEngine):
         self._weights_mapped = True
 
     def wake(self) -> None:
+        if not self._weights_loaded:
+            raise EngineError("wake() on an engine whose weights were released at sleep "
+                              "(CPU, sleep level 2): update_weights() first")
         if self._sleep_mode:
             self.llm.wake_up(tags=["kv_cache"] if self._weights_mapped else None)
         self._weights_mapped = True
@@ -607,9 +631,33 @@ def _process_weights(module: torch.nn.Module) -> None:
     method.process_weights_after_loading(module)
 
 
+def _release_packed_weights(worker) -> int:
+    """Drop every CPU layer's packed GEMM handle (vLLM's `cpu_linear`); returns its bytes. A
+    linear layer's parameter is already empty once packed, so its weight is then gone until
+    `_load_shards` sets and packs it again; the embedding keeps its parameter (the tied head
+    packs from it). Fused experts are packed once at start-up, not by a load, and stay."""
+    model = worker.model_runner.get_model()
+    released = 0
+    for module in model.modules():
+        if module.__dict__.pop("cpu_linear", None) is not None:
+            released += math.prod(_loadable_shape(module, module.weight)) * \
+                module.weight.element_size()
+    return released
+
+
+def _loadable_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape as a load delivers it; a CPU linear layer's packed parameter is
+    empty, and its shape is the [out, in] of its partition (replicated: of the layer)."""
+    if param.numel() == 0 and hasattr(module, "output_size_per_partition"):
+        return (module.output_size_per_partition, module.input_size_per_partition)
+    if param.numel() == 0 and hasattr(module, "output_size"):  # replicated (MoE gates)
+        return (module.output_size, module.input_size)
+    return tuple(param.shape)
+
+
 def _parameter_shapes(worker) -> dict[str, tuple[int, ...]]:
-    """Each parameter's loadable shape; a CPU linear layer whose packed parameter is empty
-    reports the [out, in] shape of its partition, a fused-experts layer each expert's slot
+    """Each parameter's loadable shape (`_loadable_shape`), a fused-experts layer's for each
+    expert's slot
     (``w13_weight[e]``: [2 x FFN/TP, hidden], ``w2_weight[e]``: [hidden, FFN/TP])."""
     model = worker.model_runner.get_model()
     shapes = {}
@@ -622,12 +670,8 @@ def _parameter_shapes(worker) -> dict[str, tuple[int, ...]]:
                                                    moe.intermediate_size_per_partition)
             shapes.update({f"{name}[{expert}]": slot
                            for expert in range(module.local_num_experts)})
-        elif param.numel() == 0 and hasattr(module, "output_size_per_partition"):
-            shapes[name] = (module.output_size_per_partition, module.input_size_per_partition)
-        elif param.numel() == 0 and hasattr(module, "output_size"):  # replicated (MoE gates)
-            shapes[name] = (module.output_size, module.input_size)
         else:
-            shapes[name] = tuple(param.shape)
+            shapes[name] = _loadable_shape(module, param)
     return shapes
 
 

@@ -164,12 +164,11 @@ def _forward_step(head: str, vocab_size: int, temperature: float, pipeline: "_Pi
     return output, loss_func
 
 
-def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
-                   max_tokens: int, pack: bool = True
+def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int, max_tokens: int
                    ) -> tuple[list[Batch], torch.Tensor | None, int]:
     """Fixed-size micro-batches, or with a token budget (max_tokens > 0) packed ones (rows
     back to back without padding, see batches.packed_micro_batches) where the model takes
-    them (`_packing_refused`) and `pack` asks, else length-sorted ones of varying shapes (see
+    them (`_packing_refused`), else length-sorted ones of varying shapes (see
     batches.token_budget_micro_batches), then also the row order; followed by fillers
     (`_expert_group_fillers`); returns (micro-batches, order, how many are real: the
     schedule's results past those are the fillers', to drop)."""
@@ -180,7 +179,7 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int,
     length_multiple = _length_multiple(config)
     if max_tokens <= 0:
         micro_batches, order = split_micro_batches(batch, micro_batch_size), None
-    elif pack and not _packing_refused(config, batch):
+    elif not _packing_refused(config, batch):
         micro_batches, order = packed_micro_batches(batch, max_tokens, length_multiple)
         return micro_batches, order, len(micro_batches)
     else:
