@@ -126,8 +126,8 @@ class RolloutConfig:
     sleep_level: int = 2
     """vLLM's sleep level between generate phases (GPUs): 2 frees weights and KV cache without
     keeping a host copy (the weights are sent again before the next generate anyway); 1 keeps
-    a copy of the weights in host memory. CPUs (no sleep mode): 2 drops the linear layers'
-    packed weights, which the next sync packs again; 1 keeps them."""
+    a copy of the weights in host memory. CPUs (no sleep mode): 2 drops the layers' packed
+    weights, which the next sync packs again; 1 keeps them."""
 
     cuda_graphs: bool = True
     """Capture CUDA graphs for vLLM's decoding (faster decoding, slower start-up); false runs

@@ -4,8 +4,10 @@ It measures every sync on every rank (bytes received, seconds, peak extra memory
 the plan's lower bound for this rank, so the step's metrics show, max over ranks, that each
 rank received exactly what its rollout shard lacks and what that cost:
 
-    reshard/bytes_received_max    reshard/lower_bound_bytes    reshard/syncs (0 or 1 a step; an evaluation's are its own)
+    reshard/bytes_received_max    reshard/lower_bound_bytes    reshard/syncs (0 or 1 a step)
     memory/reshard_peak_extra_mb  (and the sync's seconds as the step phase time/reshard)
+
+An evaluation's syncs are left out of them (`PolicyGenerator.uncounted`).
 
 Seconds and memory sit under time/ and memory/ with the other figures a rerun does not repeat.
 """

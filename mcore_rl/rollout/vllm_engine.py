@@ -634,14 +634,15 @@ def _process_weights(module: torch.nn.Module) -> None:
 def _release_packed_weights(worker) -> int:
     """Drop every CPU layer's packed GEMM handle (vLLM's `cpu_linear`); returns its bytes. A
     linear layer's parameter is already empty once packed, so its weight is then gone until
-    `_load_shards` sets and packs it again; the embedding keeps its parameter (the tied head
-    packs from it). Fused experts are packed once at start-up, not by a load, and stay."""
+    `_load_shards` sets and packs it again; the embedding keeps its parameter (its lookup, and
+    the tied head's packing, read it). Fused experts are packed once at start-up, not by a
+    load, and stay."""
     model = worker.model_runner.get_model()
     released = 0
     for module in model.modules():
         if module.__dict__.pop("cpu_linear", None) is not None:
-            released += math.prod(_loadable_shape(module, module.weight)) * \
-                module.weight.element_size()
+            weight = module.weight
+            released += math.prod(_loadable_shape(module, weight)) * weight.element_size()
     return released
 
 
@@ -657,8 +658,8 @@ def _loadable_shape(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, 
 
 def _parameter_shapes(worker) -> dict[str, tuple[int, ...]]:
     """Each parameter's loadable shape (`_loadable_shape`), a fused-experts layer's for each
-    expert's slot
-    (``w13_weight[e]``: [2 x FFN/TP, hidden], ``w2_weight[e]``: [hidden, FFN/TP])."""
+    expert's slot (``w13_weight[e]``: [2 x FFN/TP, hidden], ``w2_weight[e]``: [hidden,
+    FFN/TP])."""
     model = worker.model_runner.get_model()
     shapes = {}
     for name, param in model.named_parameters():
