@@ -65,6 +65,7 @@ bench", accounts for ours).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -387,6 +388,23 @@ def summarize(result: dict, threshold: float) -> dict:
     return summary
 
 
+def cpu_description() -> str:
+    """The CPU's model and vector extensions: vLLM's CPU kernels and torch's matmuls run at
+    different speeds on different ones, so ratios from two machines are not comparable."""
+    model, flags = "unknown CPU", set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as handle:
+        for line in handle:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    extensions = sorted(flag for flag in flags if flag.startswith(("avx512", "amx")) or
+                        flag in ("avx2", "fma"))
+    return f"{model} ({' '.join(extensions) or 'no AVX2/AVX-512/AMX flags'})"
+
+
 def _fmt(value, digits=2, suffix="") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
@@ -400,7 +418,7 @@ def print_tables(records: list, args, parameters: int) -> None:
               f"{s['steps']} steps, {args.precision}; "
               f"{parameters / 1e6:.1f}M-param {MODEL_NAMES[args.model]}; "
               f"mcore_rl {args.ours_ranks} rank(s) x 1 thread, TRL 1 process x {args.trl_threads} "
-              f"thread(s)")
+              f"thread(s); {cpu_description()}")
         rows = [x for x in records if x["regime"] == regime]
         width = max(10, *(len(names.get(x["side"], x["side"])) + 2 for x in rows))
         header = (f"{'round':<6}{'side':<{width}}{'step s':>8}{'p25 s':>7}{'gen tok/s':>10}"

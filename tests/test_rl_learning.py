@@ -141,7 +141,7 @@ def test_update_old_logprobs_equal_a_separate_pass(tmp_path, tokenizer_dir, one_
     old log-probs from the update's own forward pass instead of a pass before it: the same
     policy on the same rows, so two seeded steps (the second sampling from the updated
     weights) give every metric of the separate pass, the loss, gradient norm, the
-    engine/trainer mismatch, the KL to the reference, to 1e-6, and no logprobs phase time."""
+    engine/trainer mismatch, the KL to the reference, to 1e-6."""
     own = seeded_steps(tmp_path, tokenizer_dir, "update", 1, ["rollout.old_logprobs=update"])
     for exact, update in zip(one_rank_steps, own, strict=True):
         compared = [name for name in exact if not name.startswith(MACHINE_METRIC_PREFIXES)]
@@ -149,7 +149,6 @@ def test_update_old_logprobs_equal_a_separate_pass(tmp_path, tokenizer_dir, one_
         for name in compared:
             assert update[name] == pytest.approx(exact[name], rel=1e-6, abs=1e-9), name
         assert "actor/kl_to_reference" in compared and "rollout/logprob_abs_diff_max" in compared
-        assert update["time/logprobs"] < exact["time/logprobs"]
 
 
 def test_context_parallel_run_matches_one_rank(tmp_path, tokenizer_dir, one_rank_steps):

@@ -118,7 +118,14 @@ def test_episodes_continue_across_weight_updates(tmp_path, tokenizer_dir, mode, 
     assert set(staleness_of(seen)) <= {0, 1}
     for entry in seen:
         assert entry["gaps"] and max(entry["gaps"].values()) <= 1e-4, entry["gaps"]
-    assert max(m["rollout/logprob_abs_diff_max"] for m in history) > 0.01
+    # Tokens of an older version are scored by the current policy, which the entropy bonus
+    # has moved; whether a step trains any depends on when updates land (abort restarts the
+    # turns in flight, so a fast trainer can leave none), not on the code under test.
+    gap = max(m["rollout/logprob_abs_diff_max"] for m in history)
+    if any(m["rollout/stale_token_fraction"] > 0 for m in history):
+        assert gap > 0.01
+    else:
+        assert mode == "abort" and gap <= 1e-4
     if mode == "continue":
         assert sum(m["episode/multi_version"] for m in history) > 0
         assert max(m["episode/version_spread_max"] for m in history) == 1
