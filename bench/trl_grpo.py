@@ -99,6 +99,7 @@ VARIANTS = {
     "ours-trainer-logp": {"rollout": {"old_logprobs": "trainer"}},
     "ours-engine-logp": {"rollout": {"old_logprobs": "engine"}},
     "ours-token-budget": {"actor": {"max_tokens_per_micro_batch": TOKEN_BUDGET}},
+    "ours-one-row-budget": {"actor": {"micro_batch_size": 1}},
     "ours-best": {"rollout": {"old_logprobs": "engine"},
                   "actor": {"max_tokens_per_micro_batch": TOKEN_BUDGET}},
     "ours-best-megatron-engine": {"rollout": {"old_logprobs": "engine", "engine": "megatron"},
@@ -114,7 +115,9 @@ measures one change alone, before/after in one run; `ours` runs the package's de
 log-probs from the update's forward pass, token-budget micro-batches derived from the length
 limits); ours-before the defaults before issue 64 (a separate old-log-prob pass, one
 micro-batch of all 16 rows of the smollm2 regime at 1 rank); ours-best is every change together;
-ours-best-megatron-engine generates with the trainer's own model instead of vLLM; the lora
+ours-best-megatron-engine generates with the trainer's own model instead of vLLM;
+ours-one-row-budget halves the default token budget (one longest sequence: less activation
+memory, more micro-batches); the lora
 sides train adapters of that rank on every linear (actor.lora, alpha = 2 x rank), with
 --lora-lr as their learning rate where the regime trains)."""
 
