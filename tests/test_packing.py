@@ -79,6 +79,11 @@ def test_packed_passes_equal_unpacked_rows(tmp_path, tensor_parallel):
     assert rows["padded_share"] == pytest.approx(1 - tokens / (len(LENGTHS) * WIDTH))
     if tensor_parallel == 1:
         assert results["packed"]["padded_share"] == 0.0
+        # The output layer runs over the used positions alone: every packed token, or with an
+        # output mask the positions before a masked token (each row's prompt is skipped,
+        # also between rows), in the scoring pass.
+        assert results["packed"]["output_positions"] == tokens
+        assert results["packed_output_mask"]["output_positions"] == int(used[:, 1:].sum())
     else:  # packed sequences end on a multiple of 2: 32 + 32 + 27 tokens run as 32 + 32 + 28
         assert results["packed"]["padded_share"] == pytest.approx(1 / 92)
 
@@ -110,7 +115,11 @@ def compare_packing(out_path: str, tensor_parallel: int = 1) -> None:
         seed_everything(config.runtime.seed)
         trainable = make_trainable(build_gpt_model(config.model, config.parallel),
                                    config.optimizer, "fp32")
+        output_positions = []
+        hook = trainable.chunks[0].module.output_layer.register_forward_hook(
+            lambda _, args, output: output_positions.append(output[0].shape[0]))
         outputs = compute_outputs(trainable.chunks, rows, 2, "lm", VOCAB, max_tokens=budget)
+        hook.remove()
         metrics = train_step(trainable, rows, 2, sft_loss, "lm", VOCAB, max_tokens=budget)
         gradients = {parameter: param.main_grad.clone()
                      for parameter, param in trainable.chunks[0].named_parameters()}
@@ -118,6 +127,7 @@ def compare_packing(out_path: str, tensor_parallel: int = 1) -> None:
         results[name] = {"logprobs": outputs["logprobs"], "entropy": outputs["entropy"],
                          "loss": metrics["loss"], "gradients": gradients,
                          "logprobs_after": after["logprobs"],
+                         "output_positions": sum(output_positions),
                          "padded_share": metrics["padded_tokens"] / metrics["forward_tokens"],
                          "micro_batches": len(packed_micro_batches(batch, budget)[0])
                          if budget else 0}

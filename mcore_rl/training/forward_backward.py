@@ -6,10 +6,12 @@ stage computes them and broadcasts them to the other stages, so SPMD code after 
 all ranks alike. `train_step` runs forward-backward and one optimizer step.
 
 A batch may name the positions whose outputs its caller uses (`output_mask`, e.g. the response
-tokens of an RL batch): the output layer then runs only from the first such position of each
-micro-batch on. Prompt positions of an RL batch need no logits; with a vocabulary of 50-150k
-the LM head and its log-softmax are a fifth or more of a small model's forward pass (TRL's
-`logits_to_keep` does the same). Outputs before that position are 0.
+tokens of an RL batch): the output layer then runs only over those (`_UsedOutputs`: from the
+first such column on in a row-form micro-batch, exactly those positions in a packed one, whose
+rows' prompts lie between the responses). Prompt positions of an RL batch need no logits; with
+a vocabulary of 50-150k the LM head and its log-softmax are a fifth or more of a small model's
+forward pass (TRL's `logits_to_keep` does the same). Callers read the used positions only
+(the others hold 0 where the output layer skipped them, values where it did not).
 
 Batches may live anywhere (the trainer keeps them in host memory): each micro-batch is moved to
 the model's device as the schedule asks for it, so only one micro-batch at a time occupies the
@@ -52,12 +54,12 @@ LossFn = Callable[[dict, Batch], tuple]
 
 def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
                        vocab_size: int, temperature: float, tp_group, cp_group,
-                       packing: PackedRows | None = None) -> dict:
-    """Megatron's last-stage output [b, s', v_local or 1] for the last s' <= s positions, or
-    under context parallelism for this rank's two chunks, or for a packed micro-batch
-    [1, t', ...] for the last t' <= t packed positions -> token-aligned [b, s] tensors.
-    Logits are divided by the sampling temperature (in fp32, as the engine does), so log-probs
-    score the distribution the engine sampled from."""
+                       packing: PackedRows | None, used: "_UsedOutputs") -> dict:
+    """Megatron's last-stage output [b, s', v_local or 1] for the `used` positions, or under
+    context parallelism for this rank's two chunks, or for a packed micro-batch [1, t', ...]
+    for the used packed positions -> token-aligned [b, s] tensors. Logits are divided by the
+    sampling temperature (in fp32, as the engine does), so log-probs score the distribution
+    the engine sampled from."""
     mask = micro_batch["attention_mask"]
     length = packing.length if packing is not None else mask.shape[1]
     if head == "scalar":
@@ -66,7 +68,7 @@ def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
         next_tokens = torch.roll(micro_batch["input_ids"], shifts=-1, dims=1)
         if packing is not None:  # a row's last output is about padding: zeroed below
             next_tokens = packing.pack(next_tokens)
-        next_tokens = (next_tokens[:, length - output.shape[1]:] if cp_group is None
+        next_tokens = (used.select(next_tokens, 1) if cp_group is None
                        else split_for_rank(next_tokens, 1, cp_group.rank(), cp_group.size()))
         logprobs, entropy = vocab_parallel_logprobs_and_entropy(
             output, next_tokens, vocab_size, tp_group, temperature)
@@ -74,38 +76,83 @@ def _per_token_outputs(output: torch.Tensor, micro_batch: Batch, head: str,
     if cp_group is not None:
         per_position = {name: gather_per_token(tensor, cp_group)
                         for name, tensor in per_position.items()}
-    per_position = {name: torch.nn.functional.pad(tensor, (length - tensor.shape[1], 0))
-                    for name, tensor in per_position.items()}
+    per_position = {name: used.restore(tensor, length) for name, tensor in per_position.items()}
     if packing is not None:
         per_position = {name: packing.unpack(tensor) for name, tensor in per_position.items()}
     return {name: align_to_tokens(tensor, mask) for name, tensor in per_position.items()}
 
 
-def _first_output_position(micro_batch: Batch, packing: PackedRows | None = None) -> int:
-    """The first position whose output is used: the one before the first token of
-    `output_mask` (the output at t - 1 is about token t); 0 without a mask. Of the packed
-    sequence with `packing`."""
-    mask = micro_batch.get("output_mask")
-    if mask is None:
-        return 0
-    if packing is not None:
-        mask = packing.pack(mask * micro_batch["attention_mask"])
-    columns = mask.bool().any(dim=0).nonzero()
-    return max(int(columns[0]) - 1, 0) if len(columns) else 0
+@dataclass(frozen=True)
+class _UsedOutputs:
+    """The positions whose outputs a micro-batch's caller uses, the only ones the output layer
+    runs over: the columns from `first` on of a row-form micro-batch (its rows share columns),
+    or the packed positions `index` of a packed one. The default is every position."""
+
+    first: int = 0
+    index: torch.Tensor | None = None
+    """[t'] long: the used positions of the packed sequence, on the model's device."""
+
+    @classmethod
+    def of(cls, micro_batch: Batch, packing: PackedRows | None) -> "_UsedOutputs":
+        """From the micro-batch's `output_mask` (host tensors): the output at t - 1 is about
+        token t, so a position is used when the next token of its row is in the mask."""
+        mask = micro_batch.get("output_mask")
+        if mask is None or not mask.any():
+            return cls()
+        used = torch.zeros_like(mask, dtype=torch.bool)
+        used[:, :-1] = (mask * micro_batch["attention_mask"])[:, 1:].bool()
+        if packing is not None:
+            return cls(index=packing.pack(used)[0].nonzero().squeeze(1))
+        return cls(first=int(used.any(dim=0).nonzero()[0]))
+
+    @property
+    def every_position(self) -> bool:
+        return self.first == 0 and self.index is None
+
+    def to(self, device) -> "_UsedOutputs":
+        return self if self.index is None else _UsedOutputs(index=self.index.to(device))
+
+    def select(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """The used positions of `tensor` along its sequence dimension `dim`."""
+        if self.index is not None:
+            return tensor.index_select(dim, self.index)
+        return tensor.narrow(dim, self.first, tensor.shape[dim] - self.first)
+
+    def restore(self, tensor: torch.Tensor, length: int) -> torch.Tensor:
+        """[b, used] outputs -> [b, length], 0 at the positions not used."""
+        if self.index is None:
+            return torch.nn.functional.pad(tensor, (length - tensor.shape[1], 0))
+        full = tensor.new_zeros(tensor.shape[0], length)
+        full[:, self.index] = tensor
+        return full
 
 
-@contextmanager
-def _output_layer_from(model, first: int):
-    """While open, the model's output layer (last stage only) sees hidden states [s, b, h]
-    from position `first` on. Not with sequence parallelism: its hidden states are split along
-    s over the TP ranks until the output layer gathers them."""
+def _used_outputs(micro_batch: Batch, packing: PackedRows | None, model,
+                  cp_group) -> _UsedOutputs:
+    """What the output layer of `model` runs over: the used positions (`_UsedOutputs.of`), or
+    every position under context parallelism (a rank's positions are two chunks) or sequence
+    parallelism (hidden states stay split along the sequence over the TP ranks until the output
+    layer gathers them), and on stages without an output layer."""
     from megatron.core.utils import unwrap_model
 
     head = getattr(unwrap_model(model), "output_layer", None)
-    if first == 0 or head is None or head.sequence_parallel:
+    if cp_group is not None or head is None or head.sequence_parallel:
+        return _UsedOutputs()
+    return _UsedOutputs.of(micro_batch, packing)
+
+
+@contextmanager
+def _output_layer_over(model, used: _UsedOutputs):
+    """While open, the model's output layer (last stage only) sees hidden states [s, b, h]
+    at the `used` positions only."""
+    from megatron.core.utils import unwrap_model
+
+    head = getattr(unwrap_model(model), "output_layer", None)
+    if head is None or used.every_position:
         yield
         return
-    handle = head.register_forward_pre_hook(lambda _, args: (args[0][first:], *args[1:]))
+    handle = head.register_forward_pre_hook(lambda _, args: (used.select(args[0], 0),
+                                                             *args[1:]))
     try:
         yield
     finally:
@@ -118,9 +165,9 @@ def _forward_step(head: str, vocab_size: int, temperature: float, pipeline: "_Pi
     micro_batch = next(data_iterator)
     cp_group = pipeline.cp_group
     # Before the copy (no device sync): the packing of a packed micro-batch (host integers),
-    # the first used position (under CP a rank's positions are not one suffix).
+    # the positions whose outputs are used.
     packing, packed = _packing(micro_batch, model)
-    first = _first_output_position(micro_batch, packing) if cp_group is None else 0
+    used = _used_outputs(micro_batch, packing, model, cp_group).to(device)
     micro_batch = to_device(micro_batch, device)
     if packing is not None:
         if routing is not None:
@@ -140,13 +187,13 @@ def _forward_step(head: str, vocab_size: int, temperature: float, pipeline: "_Pi
         input_ids, positions = (split_for_rank(tensor, 1, cp_group.rank(), cp_group.size())
                                 for tensor in (input_ids, positions))
     routers = routing.micro_batch(model, micro_batch) if routing else nullcontext()
-    with _output_layer_from(model, first), routers:
+    with _output_layer_over(model, used), routers:
         output = model(input_ids, positions, attention_mask=None,
                        **({"packed_seq_params": packed} if packed is not None else {}))
 
     def loss_func(output_tensor, non_loss_data: bool = False):
         outputs = _per_token_outputs(output_tensor, micro_batch, head, vocab_size, temperature,
-                                     pipeline.tp_group, cp_group, packing)
+                                     pipeline.tp_group, cp_group, packing, used)
         if non_loss_data:
             return {name: tensor.detach() for name, tensor in outputs.items()}
         numerator, denominator, metrics = loss_fn(outputs, micro_batch)
