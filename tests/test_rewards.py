@@ -494,6 +494,29 @@ def test_the_probe_stops_what_the_sandbox_refuses_and_names_the_setting(case, tm
         rewards.probe([row])
 
 
+
+def test_the_start_up_probe_runs_aside_and_fails_when_the_rewards_are_taken(tmp_path):
+    """The trainer probes its rule rewards in a thread while the rank starts its engine and
+    models (rl/build.py's RuleRewardStart): a failure comes out when the rewards are taken,
+    naming the row and the rank; a passing probe gives the rewards."""
+    from mcore_rl.config import ConfigError
+    from mcore_rl.data.records import PromptRecord
+    from mcore_rl.rl.build import RuleRewardStart
+    from mcore_rl.roles import RuleReward
+
+    config = RewardConfig(num_workers=1, functions={"probe": "reward_functions:reads_a_file"},
+                          readable=(str(tmp_path),))
+    record = PromptRecord(3, "q", "probe", "7", {"path": str(tmp_path / "answer.txt")})
+    with RuleRewards(config) as rewards:
+        start = RuleRewardStart(RuleReward(rewards, tokenizer=None), [record])
+        with pytest.raises(ConfigError, match=r"reward: rank 0: .*row 3 \(data_source 'probe'\)"
+                                              r".*FileNotFoundError"):
+            start.result()
+    (tmp_path / "answer.txt").write_text("0.5")
+    with RuleRewards(config) as rewards:
+        reward = RuleReward(rewards, tokenizer=None)
+        assert RuleRewardStart(reward, [record]).result() is reward
+
 OUTSIDE_THE_REPOSITORY = """
 from mcore_rl.config.reward import RewardConfig
 from mcore_rl.rewards import RewardRequest, RuleRewards

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -113,28 +114,61 @@ def build_roles(config: JobConfig, device: torch.device, tokenizer=None) -> Role
     return Roles(actor, critic, reference, reward_model, teacher)
 
 
-def build_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_scorer: bool
-                      ) -> RuleReward | None:
+def start_rule_reward(config: JobConfig, data: TrainingData, reward_fn, is_scorer: bool
+                      ) -> "RuleRewardStart":
     """The rule rewards on the ranks that score (the first of each model-parallel group), after
-    checking on every rank that each data source has a reward function (collective). With a
-    reward model they only check answers against the ground truth, and only where every row
-    has one and every data source a rule (`ground_truth_checked`); else None. reward_fn: see
+    checking on every rank that each data source has a reward function (collective), their
+    probe on real rows started (`RuleReward.probe`); `result()` waits for it. With a reward
+    model they only check answers against the ground truth, and only where every row has one
+    and every data source a rule (`ground_truth_checked`); else None. reward_fn: see
     `Trainer`."""
     with STARTUP.phase("rule_reward"):
         reward, problems = None, []
         if config.reward.model_path and not ground_truth_checked(config, data, reward_fn):
-            return None
+            return RuleRewardStart(None)
         if is_scorer:
             try:
                 rewards = RuleRewards(reward_config(config), reward_fn)
                 reward = RuleReward(rewards, data.tokenizer)
                 rewards.check_data_sources({r.data_source
                                             for r in data.records + data.validation})
-                reward.probe(data.records + data.validation)
             except ValueError as error:
                 problems.append(str(error))
         raise_on_any_rank(problems, ConfigError, "reward: ")
-        return reward
+        return RuleRewardStart(reward, data.records + data.validation)
+
+
+class RuleRewardStart:
+    """Rule rewards whose probe runs in a thread of this rank while it starts the rest: the
+    probe waits on the reward workers, which import the functions' libraries (reasoning-gym's
+    import takes about 3 s) on a core of their own. Nothing else uses the rewards before
+    `result()`."""
+
+    def __init__(self, reward: RuleReward | None, rows: list = ()):
+        self._reward = reward
+        self._failure: list[str] = []
+        self._probe = None
+        if reward is not None:
+            self._probe = threading.Thread(target=self._run_probe, args=(list(rows),),
+                                           name="reward-probe", daemon=True)
+            self._probe.start()
+
+    def _run_probe(self, rows: list) -> None:
+        try:
+            self._reward.probe(rows)
+        except ValueError as error:  # raised by result(), on every rank together
+            self._failure.append(str(error))
+        except Exception as error:
+            self._failure.append(f"{type(error).__name__}: {error}")
+
+    def result(self) -> RuleReward | None:
+        """The rule rewards once their probe has passed on every rank (collective);
+        ConfigError naming the rows that failed otherwise."""
+        with STARTUP.phase("rule_reward_probe"):
+            if self._probe is not None:
+                self._probe.join()
+            raise_on_any_rank(self._failure, ConfigError, "reward: ")
+        return self._reward
 
 
 def build_episode_runner(config: JobConfig, data: TrainingData

@@ -49,7 +49,7 @@ from mcore_rl.training.offload import HostParking
 
 from .api import with_agent, with_environment
 from .build import (build_engine_and_roles, build_episode_runner, build_roles,
-                    build_rule_reward, settled_config)
+                    settled_config, start_rule_reward)
 from .data import load_training_data
 from .evaluator import RLEvaluator
 from .experience import (add_advantages, add_distillation, add_forward_passes,
@@ -416,9 +416,10 @@ def _colocated_rollouts(config: JobConfig, data, reward_fn, runtime, shard_group
     """The roles and the rollout scheduler when every rank trains and generates: the engine on
     these ranks, the rule rewards on the first rank of each data shard's group (TP x CP x
     PP)."""
-    rule_reward = build_rule_reward(config, data, reward_fn, is_scorer=dist.get_rank()
-                                    == dist.get_process_group_ranks(shard_group)[0])
+    reward_start = start_rule_reward(config, data, reward_fn, is_scorer=dist.get_rank()
+                                     == dist.get_process_group_ranks(shard_group)[0])
     engine, weight_sync, roles = build_engine_and_roles(config, runtime.device, data.tokenizer)
+    rule_reward = reward_start.result()
     parkings = [HostParking(role.trainable) for role, role_config in
                 ((roles.actor, config.actor), (roles.critic, config.critic))
                 if role is not None and role_config.offload]

@@ -38,8 +38,8 @@ from mcore_rl.runtime import initialize, read_launch_env, shutdown
 from mcore_rl.runtime.messages import ControlBoard, Outbox
 from mcore_rl.runtime.preemption import PreemptionFlag
 
-from ..build import (build_episode_runner, build_rule_reward, build_vllm_engine,
-                     settled_config, training_layout, weight_plan)
+from ..build import (build_episode_runner, build_vllm_engine, settled_config,
+                     start_rule_reward, training_layout, weight_plan)
 from ..data import load_training_data
 from ..rollout_scheduler import evaluation_sampling, training_sampling
 from .book import InstanceBook
@@ -62,11 +62,13 @@ class RolloutWorker:
         self.instance, self.instances = dist.get_rank() // tp, dist.get_world_size() // tp
         self.is_leader = dist.get_rank() % tp == 0
         """The instance's first rank: it scores and sends the instance's shares."""
-        rule_reward = build_rule_reward(config, self.data, reward_fn, is_scorer=self.is_leader)
-        self.scorer = GroupScorer(rule_reward) if self.is_leader else None
+        reward_start = start_rule_reward(config, self.data, reward_fn,
+                                         is_scorer=self.is_leader)
         plan = weight_plan(config, training_layout(config, launch.world_size))
         self.engine, self.weight_sync = build_vllm_engine(config, config.sequence_length(),
                                                           plan, self.split.bridge)
+        rule_reward = reward_start.result()
+        self.scorer = GroupScorer(rule_reward) if self.is_leader else None
         self.engine.shard_key = self.instance  # an instance's ranks hold the same prompts
         self.episodes = build_episode_runner(config, self.data)
         """Multi-turn jobs: the runner of this rank's episodes (None: one response each)."""
