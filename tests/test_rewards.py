@@ -494,7 +494,6 @@ def test_the_probe_stops_what_the_sandbox_refuses_and_names_the_setting(case, tm
         rewards.probe([row])
 
 
-
 def test_the_start_up_probe_runs_aside_and_fails_when_the_rewards_are_taken(tmp_path):
     """The trainer probes its rule rewards in a thread while the rank starts its engine and
     models (rl/build.py's RuleRewardStart): a failure comes out when the rewards are taken,
@@ -508,14 +507,13 @@ def test_the_start_up_probe_runs_aside_and_fails_when_the_rewards_are_taken(tmp_
                           readable=(str(tmp_path),))
     record = PromptRecord(3, "q", "probe", "7", {"path": str(tmp_path / "answer.txt")})
     with RuleRewards(config) as rewards:
-        start = RuleRewardStart(RuleReward(rewards, tokenizer=None), [record])
+        reward = RuleReward(rewards, tokenizer=None)
         with pytest.raises(ConfigError, match=r"reward: rank 0: .*row 3 \(data_source 'probe'\)"
                                               r".*FileNotFoundError"):
-            start.result()
-    (tmp_path / "answer.txt").write_text("0.5")
-    with RuleRewards(config) as rewards:
-        reward = RuleReward(rewards, tokenizer=None)
+            RuleRewardStart(reward, [record]).result()
+        (tmp_path / "answer.txt").write_text("0.5")
         assert RuleRewardStart(reward, [record]).result() is reward
+
 
 OUTSIDE_THE_REPOSITORY = """
 from mcore_rl.config.reward import RewardConfig

@@ -133,25 +133,27 @@ def _used_outputs(micro_batch: Batch, packing: PackedRows | None, model,
     every position under context parallelism (a rank's positions are two chunks) or sequence
     parallelism (hidden states stay split along the sequence over the TP ranks until the output
     layer gathers them), and on stages without an output layer."""
-    from megatron.core.utils import unwrap_model
-
-    head = getattr(unwrap_model(model), "output_layer", None)
+    head = _output_layer(model)
     if cp_group is not None or head is None or head.sequence_parallel:
         return _UsedOutputs()
     return _UsedOutputs.of(micro_batch, packing)
 
 
-@contextmanager
-def _output_layer_over(model, used: _UsedOutputs):
-    """While open, the model's output layer (last stage only) sees hidden states [s, b, h]
-    at the `used` positions only."""
+def _output_layer(model):
+    """The model's output layer: on the pipeline's last stage, else None."""
     from megatron.core.utils import unwrap_model
 
-    head = getattr(unwrap_model(model), "output_layer", None)
-    if head is None or used.every_position:
+    return getattr(unwrap_model(model), "output_layer", None)
+
+
+@contextmanager
+def _output_layer_over(model, used: _UsedOutputs):
+    """While open, the model's output layer sees hidden states [s, b, h] at the `used`
+    positions only (`_used_outputs` gives every position where it has none)."""
+    if used.every_position:
         yield
         return
-    handle = head.register_forward_pre_hook(lambda _, args: (used.select(args[0], 0),
+    handle = _output_layer(model).register_forward_pre_hook(lambda _, args: (used.select(args[0], 0),
                                                              *args[1:]))
     try:
         yield
