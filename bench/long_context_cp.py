@@ -52,8 +52,9 @@ def rank_main(rank: int, world: int, port: int, length: int) -> None:
                                          seq_length=length),
                        runtime=RuntimeConfig(collective_timeout_minutes=10,
                                              output_dir=f"/tmp/long_context_cp_{os.getpid()}"))
-    initialize(config)
-    trainable = make_trainable(build_gpt_model(model, parallel, "fp32"), optimizer, "fp32")
+    place = initialize(config).training
+    trainable = make_trainable(build_gpt_model(model, parallel, "fp32", place=place), optimizer,
+                               "fp32")
     generator = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, model.vocab_size, (1, length), generator=generator),
              "attention_mask": torch.ones(1, length, dtype=torch.long)}

@@ -51,8 +51,9 @@ def _rank(args) -> None:
                         num_attention_heads=8, num_kv_heads=4, vocab_size=8192,
                         max_position_embeddings=args.max_length)
     config = JobConfig(model=model, optimizer=OptimizerConfig(lr=1e-5))
-    initialize(config)
-    trainable = make_trainable(build_gpt_model(model, config.parallel), config.optimizer, "fp32")
+    place = initialize(config).training
+    trainable = make_trainable(build_gpt_model(model, config.parallel, place=place),
+                               config.optimizer, "fp32")
     batch = long_tail_batch(args.rows, args.max_length, model.vocab_size)
     budget = MICRO_BATCH_SIZE * args.max_length
     width = int(batch["attention_mask"].sum(1).max())

@@ -85,13 +85,13 @@ def child(variant: str, args, folder: str) -> dict:
     workloads = _workloads(args)
     context = max(tokens + turns * (new + observation)
                   for _, _, tokens, turns, new, observation in workloads.values())
-    initialize(JobConfig(model=MODEL, parallel=ParallelConfig(),
-                         batch=BatchConfig(global_batch_size=1, micro_batch_size=1,
-                                           seq_length=context),
-                         runtime=RuntimeConfig(output_dir=os.path.dirname(folder))))
-    actor = build_gpt_model(MODEL, ParallelConfig(), "fp32")
-    load_full_state(actor, _state(), MODEL, ParallelConfig())
-    training = megatron_training_layout(MODEL)
+    runtime = initialize(JobConfig(model=MODEL, parallel=ParallelConfig(),
+                                   batch=BatchConfig(global_batch_size=1, micro_batch_size=1,
+                                                     seq_length=context),
+                                   runtime=RuntimeConfig(output_dir=os.path.dirname(folder))))
+    actor = build_gpt_model(MODEL, ParallelConfig(), "fp32", place=runtime.training)
+    load_full_state(actor, _state(), MODEL)
+    training = megatron_training_layout(MODEL, runtime.training)
     engine = VllmEngine(write_config_folder(MODEL, LLAMA, folder), MODEL, LLAMA, 1, context,
                         torch.float32, prefix_caching=variant == "on")
     resharder = Resharder(build_plan(training, make_rollout_layout(training, "vllm", 1),

@@ -57,8 +57,9 @@ def _rank(args) -> None:
                         num_attention_heads=9, num_kv_heads=3, vocab_size=49152,
                         max_position_embeddings=2048, tie_embeddings=True)
     config = JobConfig(model=model, optimizer=OptimizerConfig(lr=1e-5))
-    initialize(config)
-    trainable = make_trainable(build_gpt_model(model, config.parallel), config.optimizer, "fp32")
+    place = initialize(config).training
+    trainable = make_trainable(build_gpt_model(model, config.parallel, place=place),
+                               config.optimizer, "fp32")
     batch = rl_batch(args.rows, model.vocab_size)
     sides = {"every position": batch, "responses only": dict(batch,
                                                              output_mask=batch["loss_mask"])}

@@ -91,13 +91,13 @@ def bench(args, out_path: str) -> None:
 
     parallel = ParallelConfig()
     context = args.prompt_tokens + args.new_tokens
-    initialize(JobConfig(model=MODEL, parallel=parallel,
-                         batch=BatchConfig(global_batch_size=1, micro_batch_size=1,
-                                           seq_length=context)))
+    place = initialize(JobConfig(model=MODEL, parallel=parallel,
+                                 batch=BatchConfig(global_batch_size=1, micro_batch_size=1,
+                                                   seq_length=context))).training
     state = _state()
-    actor = build_gpt_model(MODEL, parallel, "fp32")
-    load_full_state(actor, state, MODEL, parallel)
-    training = megatron_training_layout(MODEL)
+    actor = build_gpt_model(MODEL, parallel, "fp32", place=place)
+    load_full_state(actor, state, MODEL)
+    training = megatron_training_layout(MODEL, place)
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, MODEL.vocab_size, (args.prompts, args.prompt_tokens),
                             generator=generator).tolist()
@@ -111,7 +111,7 @@ def bench(args, out_path: str) -> None:
     results["vllm_start_s"] = time.perf_counter() - started
     to_full = Resharder(build_plan(training, make_rollout_layout(training, "full", 1),
                                    torch.float32))
-    own_copy = build_gpt_model(MODEL, parallel, "fp32")
+    own_copy = build_gpt_model(MODEL, parallel, "fp32", place=place)
     own = MegatronEngine(own_copy, MODEL, context, own_weights=True, max_batch_size=args.prompts)
     to_megatron = Resharder(build_plan(training, make_rollout_layout(training, "megatron", 1),
                                        torch.float32))

@@ -65,11 +65,11 @@ def measure(out_path: str, overrides: list[str], weight_layout: str, syncs: int)
     if weight_layout == "vllm":
         config = with_rank_order(config, launch.ranks_per_node, launch.world_size)
     runtime = initialize(config, launch)
-    training = megatron_training_layout(config.model, config.parallel.megatron_order())
+    training = megatron_training_layout(config.model, runtime.training)
     engine, weight_sync = build_vllm_engine(config, config.sequence_length(),
                                             weight_plan(config, training, weight_layout))
     engine.sleep()
-    actor = build_roles(config, runtime.device).actor
+    actor = build_roles(config, runtime).actor
     figures = []
     for _ in range(syncs):
         engine.wake_weights()

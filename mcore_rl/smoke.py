@@ -18,7 +18,6 @@ from .config.job import colocated_only_errors, moe_job_errors
 from .conversion.model_source import with_model_from_init
 from .models.pretrained import build_from_init
 from .runtime import initialize, print0, read_launch_env, shutdown
-from .runtime.layout import training_rank
 from .training import make_trainable, shard_for_data_parallel, train_step
 
 
@@ -47,12 +46,12 @@ def run_smoke(config: JobConfig) -> list[dict]:
     if errors:
         raise ConfigError(errors[0])
     runtime = initialize(config, launch)
+    here = runtime.training
     model = build_from_init(config.init, config.model, config.parallel,
-                            config.runtime.precision, device=runtime.device)
+                            config.runtime.precision, device=runtime.device, place=here)
     if config.init.hf_path or config.init.checkpoint:
         print0(f"smoke: weights from {config.init.hf_path or config.init.checkpoint}")
     trainable = make_trainable(model, config.optimizer, config.runtime.precision)
-    here = training_rank()
     dp_rank, dp_size = here.dp_rank, here.dp_size
     print0(f"smoke: world {runtime.world_size} = TP {config.parallel.tensor_model_parallel_size}"
            f" x PP {config.parallel.pipeline_model_parallel_size} x DP {dp_size}, "

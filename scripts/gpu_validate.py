@@ -214,7 +214,7 @@ def parity(args, check: Checks) -> dict:
         if precision == "bf16" and runtime.device.type == "cpu":
             continue
         module = build_from_init(InitConfig(hf_path=folder), model, parallel, precision,
-                                 device=runtime.device)
+                                 device=runtime.device, place=runtime.training)
         logprobs = compute_outputs([module], batch, 4, "lm", model.vocab_size)["logprobs"]
         figures[f"hf_vs_actor_{precision}"] = float((logprobs - reference)[:, 1:].abs().max())
     check(figures["hf_vs_actor_fp32"] <= 1e-4,
@@ -452,7 +452,7 @@ def _trainable(config):
 
     runtime = initialize(config, _launch())
     model = build_gpt_model(config.model, config.parallel, config.runtime.precision,
-                            device=runtime.device)
+                            device=runtime.device, place=runtime.training)
     return make_trainable(model, config.optimizer, config.runtime.precision)
 
 

@@ -10,6 +10,7 @@ from mcore_rl.checkpoint.weights_io import read_metadata
 from mcore_rl.config import InitConfig, ParallelConfig
 from mcore_rl.models import build_gpt_model
 from mcore_rl.models.pretrained import load_initial_weights
+from mcore_rl.models.weights import model_rank_of
 
 
 def megatron_logits(module, ids: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -40,15 +41,20 @@ def megatron_logits(module, ids: torch.Tensor, vocab_size: int) -> torch.Tensor 
     return next(item for item in gathered if item is not None)
 
 
-def _set_layout(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
-    from megatron.core import parallel_state as ps
+def _set_layout(tp: int, pp: int, ep: int = 1, etp: int | None = None):
+    """The trained models' groups at this layout over the world (those of an earlier layout
+    torn down); returns this rank in them."""
     from megatron.core import tensor_parallel
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    from mcore_rl.runtime.layout import ParallelLayout
+    from mcore_rl.runtime.training_groups import (destroy_training_groups,
+                                                  initialize_training_groups)
+
+    destroy_training_groups()
+    layout = ParallelLayout(tp, pp, dist.get_world_size() // (tp * pp), ep=ep, etp=etp)
+    place = initialize_training_groups(layout, timeout_minutes=3)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
+    return place
 
 
 def _check_critic_trunk(lm_module, init: InitConfig, model, parallel) -> None:
@@ -57,7 +63,8 @@ def _check_critic_trunk(lm_module, init: InitConfig, model, parallel) -> None:
     from mcore_rl.models import local_state
     from mcore_rl.param_layout import sharding
 
-    critic = build_gpt_model(model, parallel, "fp32", head="scalar")
+    critic = build_gpt_model(model, parallel, "fp32", head="scalar",
+                             place=model_rank_of(lm_module))
     assert load_initial_weights(critic, init, model, head="scalar")
     lm_state, critic_state = local_state(lm_module), local_state(critic)
     for name, tensor in critic_state.items():
@@ -82,11 +89,11 @@ def run_parity(jobs: list, layouts: list, ids: torch.Tensor, out_path: str) -> N
     start_process_group(timeout_minutes=3)
     results = {}
     for tp, pp in layouts:
-        _set_layout(tp, pp)
+        place = _set_layout(tp, pp)
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         for case, init in jobs:
             model = _model_of(init)
-            module = build_gpt_model(model, parallel, "fp32").eval()
+            module = build_gpt_model(model, parallel, "fp32", place=place).eval()
             assert load_initial_weights(module, init, model)
             source = "hf" if init.hf_path else "mcore"
             results[(case, source, tp, pp)] = megatron_logits(module, ids, model.vocab_size)
@@ -101,25 +108,25 @@ def run_expert_parity(checkpoints: dict, layouts: list, ids: torch.Tensor, saved
     layout each case is loaded and saved again (weights checkpoint at that EP and ETP); every
     layout then loads both and records their logits as (case, source, tp, pp, ep, etp) on rank
     0, source "converted" or "resaved"."""
-    from mcore_rl.checkpoint.weights_io import megatron_coordinates, save_weights
+    from mcore_rl.checkpoint.weights_io import save_weights
     from mcore_rl.models import local_state
     from mcore_rl.runtime import start_process_group
 
     start_process_group(timeout_minutes=3)
     results = {}
     for index, (tp, pp, ep, etp) in enumerate(layouts):
-        _set_layout(tp, pp, ep, etp)
+        place = _set_layout(tp, pp, ep, etp)
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         for case, checkpoint in checkpoints.items():
             model = read_metadata(checkpoint)["model"]
             resaved = f"{saved_root}/{case}"
             for source, path in (("converted", checkpoint), ("resaved", resaved)):
-                module = build_gpt_model(model, parallel, "fp32").eval()
+                module = build_gpt_model(model, parallel, "fp32", place=place).eval()
                 assert load_initial_weights(module, InitConfig(checkpoint=path), model)
                 results[(case, source, tp, pp, ep, etp)] = megatron_logits(module, ids,
                                                                       model.vocab_size)
                 if index == 0 and source == "converted":
-                    save_weights(resaved, local_state(module), model, megatron_coordinates())
+                    save_weights(resaved, local_state(module), model, place)
     if dist.get_rank() == 0:
         torch.save(results, out_path)

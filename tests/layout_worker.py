@@ -113,11 +113,12 @@ def _merged_weights(module, model: ModelConfig, parallel: ParallelConfig, head: 
     """The full updated weights, merged from every rank's shards (None off rank 0): each
     canonical tensor from its TP shards, an expert's from its expert-TP shards (every (pp, ep)
     rank holding it agrees). state_of: the stage's local tensors by canonical local name."""
-    from mcore_rl.checkpoint import megatron_coordinates
+    from mcore_rl.checkpoint.sharded_weights import split_of, stage_params_of
+    from mcore_rl.models.weights import model_rank_of
 
-    coordinates = megatron_coordinates()
-    names = coordinates.stage_params(model, head)
-    state = {names[local]: (coordinates.split_of(names[local]), tensor.detach().cpu().clone())
+    place = model_rank_of(module)
+    names = stage_params_of(place, model, head)
+    state = {names[local]: (split_of(place, names[local]), tensor.detach().cpu().clone())
              for local, tensor in state_of(module).items()}
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, state)
@@ -149,7 +150,7 @@ def run_layout(model: ModelConfig, tp: int, pp: int, out_path: str,
                        batch=BatchConfig(global_batch_size=ROWS, micro_batch_size=MICRO_BATCH,
                                          seq_length=SEQ_LENGTH),
                        runtime=RuntimeConfig(collective_timeout_minutes=3))
-    initialize(config)
+    place = initialize(config).training
     from megatron.core import parallel_state
 
     batch = reference_batch(model)
@@ -157,8 +158,8 @@ def run_layout(model: ModelConfig, tp: int, pp: int, out_path: str,
                                     parallel_state.get_data_parallel_world_size())
     result = {}
     for head, loss in (("lm", policy_style_loss), ("scalar", value_loss)):
-        module = build_gpt_model(model, parallel, "fp32", head=head)
-        load_full_state(module, reference_full_state(model, head), model, parallel, head)
+        module = build_gpt_model(model, parallel, "fp32", head=head, place=place)
+        load_full_state(module, reference_full_state(model, head), model, head)
         trainable = make_trainable(module, optimizer, "fp32")
         outputs = compute_outputs(trainable.chunks, local, MICRO_BATCH, head, model.vocab_size)
         result[head] = {name: _gather_to_rank0(value) for name, value in outputs.items()}

@@ -48,10 +48,10 @@ def run_lora_parity(hf_dir: str, lora: LoraConfig, adapters: dict, layouts: list
     model = model_config_of_hf(hf_dir)
     results = {}
     for tp, pp in layouts:
-        _set_layout(tp, pp)
+        place = _set_layout(tp, pp)
         parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   sequence_parallel=model.moe.enabled and tp > 1)
-        module = build_gpt_model(model, parallel, "fp32", lora=lora, seed=3)
+        module = build_gpt_model(model, parallel, "fp32", lora=lora, seed=3, place=place)
         assert load_initial_weights(module, InitConfig(hf_path=hf_dir), model)
         trained = sorted(name for name, p in module.named_parameters() if p.requires_grad)
         load_adapters(module, adapters, model)
@@ -64,7 +64,7 @@ def run_lora_parity(hf_dir: str, lora: LoraConfig, adapters: dict, layouts: list
         metrics = train_step(trainable, local, MICRO_BATCH, policy_style_loss, "lm",
                              model.vocab_size)
         grads = gather_full_adapters({name: param.main_grad for name, param in
-                                      adapter_tensors(module).items()}, model)
+                                      adapter_tensors(module).items()}, model, place)
         results[(tp, pp)] = {"logprobs": _gather_to_rank0(outputs["logprobs"]),
                              "base_logprobs": _gather_to_rank0(base["logprobs"]),
                              "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],

@@ -19,8 +19,8 @@ STEPS = 3
 
 def compare_parked_and_unmoved(out_path: str) -> None:
     """Both optimizers, each trained parked and unmoved from the same seed, in one world."""
-    initialize(_config(True))
-    results = {(distributed, park): _train(_config(distributed), park)
+    place = initialize(_config(True)).training
+    results = {(distributed, park): _train(_config(distributed), park, place)
                for distributed in (True, False) for park in (True, False)}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
@@ -39,10 +39,10 @@ def _config(distributed_optimizer: bool) -> JobConfig:
                        batch=BatchConfig(global_batch_size=4, micro_batch_size=2, seq_length=16))
 
 
-def _train(config: JobConfig, park: bool) -> dict:
+def _train(config: JobConfig, park: bool, place) -> dict:
     seed_everything(config.runtime.seed)
-    trainable = make_trainable(build_gpt_model(config.model, config.parallel), config.optimizer,
-                               "fp32")
+    trainable = make_trainable(build_gpt_model(config.model, config.parallel, place=place),
+                               config.optimizer, "fp32")
     parking = HostParking(trainable)
     optimizer_tensors = []
     freed, left_on_device = [], []

@@ -43,7 +43,7 @@ def reward_model_scores(out_path: str, model_path: str) -> None:
     config = JobConfig(model=model, parallel=ParallelConfig(tensor_model_parallel_size=2),
                        reward=RewardConfig(model_path=model_path))
     runtime = initialize(config)
-    scores = build_reward_model(config, runtime.device).score(*scoring_rows())
+    scores = build_reward_model(config, runtime).score(*scoring_rows())
     if dist.get_rank() == 0:
         torch.save(scores, out_path)
     shutdown()

@@ -28,8 +28,9 @@ def run_real_model(ckpt: str, prompt: torch.Tensor, new_tokens: int, out_path: s
     model = read_metadata(ckpt)["model"]
     results = {}
     for tp in (3, 1):
-        _set_layout(tp, 1)
-        module = build_gpt_model(model, ParallelConfig(tensor_model_parallel_size=tp)).eval()
+        place = _set_layout(tp, 1)
+        module = build_gpt_model(model, ParallelConfig(tensor_model_parallel_size=tp),
+                                 place=place).eval()
         load_initial_weights(module, InitConfig(checkpoint=ckpt), model)
         results[tp] = {"logits": megatron_logits(module, prompt.unsqueeze(0), model.vocab_size),
                        "greedy": greedy(module, prompt, new_tokens, model.vocab_size)}

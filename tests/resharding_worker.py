@@ -114,13 +114,13 @@ def run_megatron_sync(model: ModelConfig, out_path: str) -> None:
                        batch=BatchConfig(global_batch_size=ROWS, micro_batch_size=2,
                                          seq_length=24),
                        runtime=RuntimeConfig(collective_timeout_minutes=3))
-    initialize(config)
+    place = initialize(config).training
     from megatron.core import parallel_state as ps
 
-    module = build_gpt_model(model, parallel, "fp32")
-    load_full_state(module, reference_full_state(model), model, parallel)
+    module = build_gpt_model(model, parallel, "fp32", place=place)
+    load_full_state(module, reference_full_state(model), model)
     trainable = make_trainable(module, optimizer, "fp32")
-    layout = megatron_training_layout(model)
+    layout = megatron_training_layout(model, place)
     plan = build_plan(layout, make_rollout_layout(layout, "vllm", 4), torch.float32)
     resharder = Resharder(plan, bucket_bytes=1 << 16)
 

@@ -103,9 +103,9 @@ def nonfinite_update(out_path: str) -> None:
                                          num_attention_heads=4, num_kv_heads=2, vocab_size=64,
                                          max_position_embeddings=32),
                        batch=BatchConfig(global_batch_size=4, micro_batch_size=2, seq_length=16))
-    initialize(config)
-    trainable = make_trainable(build_gpt_model(config.model, config.parallel), config.optimizer,
-                               "fp32")
+    place = initialize(config).training
+    trainable = make_trainable(build_gpt_model(config.model, config.parallel, place=place),
+                               config.optimizer, "fp32")
     batch = random_batch(config, 0)
 
     def nan_loss(outputs, micro_batch):
@@ -144,7 +144,7 @@ def reward_model_scores(out_path: str, model_path: str, tensor_parallel: int) ->
                        actor=dataclasses.replace(JobConfig().actor, micro_batch_size=3))
     runtime = initialize(config)
     ids, mask = reference_batch(model.vocab_size)
-    scores = build_reward_model(config, runtime.device).score(ids, mask)
+    scores = build_reward_model(config, runtime).score(ids, mask)
     if dist.get_rank() == 0:
         torch.save(scores, out_path)
     shutdown()
@@ -208,7 +208,7 @@ def steps_under_device_discipline(out_path: str, overrides: list[str]) -> None:
         trainer = Trainer(load_config(TOY_CONFIG, overrides))
         history = [trainer.train_step() for _ in range(2)]
         evaluation = trainer.evaluate()
-        training = megatron_training_layout(trainer.config.model)
+        training = megatron_training_layout(trainer.config.model, trainer.runtime.training)
         resharder = Resharder(build_plan(training, make_rollout_layout(training, "full", 1),
                                          torch.float32))
         synced = [name for name, _ in resharder.sync(trainer.roles.actor.parameters_for_sync())]

@@ -18,7 +18,7 @@ from mcore_rl.config import (BatchConfig, JobConfig, ModelConfig, MoEConfig, Par
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
 from mcore_rl.conversion.architectures import ARCHITECTURES
 from mcore_rl.models import build_gpt_model, load_full_state
-from mcore_rl.models.weights import local_parameters
+from mcore_rl.models.weights import local_parameters, model_rank_of
 from mcore_rl.param_layout import sharding
 from mcore_rl.resharding import Resharder, TrainingLayout, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
@@ -51,12 +51,12 @@ def reference_state(seed: int) -> dict[str, torch.Tensor]:
 def reference_actor(parallel: ParallelConfig):
     """Start this rank's runtime at `parallel` and build the fp32 actor holding
     reference_state(0)."""
-    initialize(JobConfig(model=MODEL, parallel=parallel,
-                         batch=BatchConfig(global_batch_size=2, micro_batch_size=1,
-                                           seq_length=CONTEXT),
-                         runtime=RuntimeConfig(collective_timeout_minutes=5)))
-    actor = build_gpt_model(MODEL, parallel, "fp32")
-    load_full_state(actor, reference_state(0), MODEL, parallel)
+    runtime = initialize(JobConfig(model=MODEL, parallel=parallel,
+                                   batch=BatchConfig(global_batch_size=2, micro_batch_size=1,
+                                                     seq_length=CONTEXT),
+                                   runtime=RuntimeConfig(collective_timeout_minutes=5)))
+    actor = build_gpt_model(MODEL, parallel, "fp32", place=runtime.training)
+    load_full_state(actor, reference_state(0), MODEL)
     return actor
 
 
@@ -149,7 +149,7 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
     MODEL = dataclasses.replace(MODEL, tie_embeddings=tie_embeddings)  # this rank's process only
     parallel = ParallelConfig(tensor_model_parallel_size=training_tp)
     actor = reference_actor(parallel)
-    training = megatron_training_layout(MODEL)
+    training = megatron_training_layout(MODEL, model_rank_of(actor))
     rank = dist.get_rank()
     prompts = PROMPTS if training_tp == 2 else PROMPTS[2 * rank:2 * rank + 2]
     results = {}
@@ -159,8 +159,8 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
                                                lambda: None, prompts)
 
     # Megatron engine with its own copy, refit through the resharder's megatron layout.
-    copy = build_gpt_model(MODEL, parallel, "fp32")
-    load_full_state(copy, reference_state(1), MODEL, parallel)
+    copy = build_gpt_model(MODEL, parallel, "fp32", place=model_rank_of(actor))
+    load_full_state(copy, reference_state(1), MODEL)
     own = MegatronEngine(copy, MODEL, CONTEXT, own_weights=True)
     to_megatron = Resharder(build_plan(
         training, make_rollout_layout(training, "megatron", training_tp), torch.float32))
@@ -209,7 +209,7 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
     results["vllm"] = engine_checks(vllm, actor, sync, prompts)
 
     # New actor weights: after one more sync vLLM must follow them.
-    load_full_state(actor, reference_state(2), MODEL, parallel)
+    load_full_state(actor, reference_state(2), MODEL)
     stale = vllm.generate(prompts, GREEDY, PROMPT_CONFIG)
     results["vllm_stale_argmax"] = trainer_scores(actor, stale)["argmax"]
     sync()
@@ -259,7 +259,7 @@ def prefix_cache_checks(engine, actor, sync, parallel: ParallelConfig, prompts: 
     mine = (prompts[0] * 10)[:40]
     found = {}
     for name, seed in (("fresh", 3), ("primed", 2), ("after_update", 3)):
-        load_full_state(actor, reference_state(seed), MODEL, parallel)
+        load_full_state(actor, reference_state(seed), MODEL)
         sync()
         found[name] = _greedy_long(engine, mine)
         if name == "fresh":  # as a fresh engine, which holds nothing of weights 3

@@ -17,6 +17,7 @@ from layout_worker import reference_batch
 from lora_worker import run_lora_parity
 from mcore_rl.config import ModelConfig
 from mcore_rl.config.lora import LoraConfig
+from mcore_rl.runtime.model_rank import ModelRank
 from mcore_rl.conversion.architectures.llama_family import fuse_qkv
 from mcore_rl.conversion.hf_to_mcore import model_config_of_hf
 from world import run_world
@@ -242,7 +243,7 @@ def test_targets_that_adapt_nothing_on_a_moe_model_are_refused_or_named():
                                     "adapter on this model: model.moe.num_experts=4 ")
         assert "shared_expert_ffn_hidden_size=0" in errors[0]
         with pytest.raises(ValueError, match=r"lora\.target_modules=.* build no adapter"):
-            build_gpt_model(moe, ParallelConfig(), lora=lora)
+            build_gpt_model(moe, ParallelConfig(), lora=lora, place=ModelRank.alone())
     mixed = LoraConfig(enabled=True, target_modules=("q_proj", "v_proj", "down_proj"))
     assert mixed.model_errors("sft.lora", moe) == []
     assert mixed.model_warning("sft.lora", moe).startswith(

@@ -106,14 +106,14 @@ def compare_packing(out_path: str, tensor_parallel: int = 1) -> None:
                        optimizer=OptimizerConfig(lr=1e-2),
                        batch=BatchConfig(global_batch_size=len(LENGTHS), micro_batch_size=2,
                                          seq_length=WIDTH))
-    initialize(config)
+    place = initialize(config).training
     batch = lengths_batch(LENGTHS)
     results = {"batch": batch}
     for name, rows, budget in (("rows", batch, 0), ("packed", batch, 32),
                                ("packed_output_mask", dict(batch, output_mask=batch["loss_mask"]),
                                 32)):
         seed_everything(config.runtime.seed)
-        trainable = make_trainable(build_gpt_model(config.model, config.parallel),
+        trainable = make_trainable(build_gpt_model(config.model, config.parallel, place=place),
                                    config.optimizer, "fp32")
         output_positions = []
         hook = trainable.chunks[0].module.output_layer.register_forward_hook(

@@ -173,7 +173,7 @@ def test_refusals_name_the_checkpoint_and_the_rule(tmp_path):
         f"step_00000002: saved by layout {layout}, this job runs {other}; a training-state "
         "checkpoint resumes only in the layout that saved it"]
     with pytest.raises(ValueError, match="keep_last=0 must be >= 1"):
-        save_training_state(str(tmp_path), 2, {}, {}, "", keep_last=0)
+        save_training_state(str(tmp_path), 2, {}, {}, "", keep_last=0, place=None)
     assert not os.path.exists(path + ".incomplete")
 
 
@@ -198,18 +198,19 @@ def test_the_trainer_state_is_read_weights_only(tmp_path, monkeypatch):
     The per-rank file (numpy RNG state, a pending rollout) keeps the full unpickler."""
     from mcore_rl.training import checkpointer
 
-    monkeypatch.setattr(checkpointer, "_layout", lambda: {
+    monkeypatch.setattr(checkpointer, "_layout", lambda place: {
         "world_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
     plain = {"sampler": {"epoch": 0, "offset": 8}, "kl_controller": {"value": 0.1},
              "reward_hacking": {"start": {"eval/accuracy": 0.5}}, "selection": {
                  "best_value": None}, "bad_steps": 0}
     checkpointer.save_training_state(str(tmp_path), 1, {}, plain, "", 1,
-                                     rank_state={"pending_rollout": Planted()})
-    step, state = checkpointer.load_latest_training_state(str(tmp_path), {})
+                                     rank_state={"pending_rollout": Planted()}, place=None)
+    step, state = checkpointer.load_latest_training_state(str(tmp_path), {}, place=None)
     assert (step, state) == (1, dict(plain, rank_state={"pending_rollout": "planted"}))
     UNPICKLED.clear()
-    checkpointer.save_training_state(str(tmp_path), 2, {}, {"sampler": Planted()}, "", 1)
+    checkpointer.save_training_state(str(tmp_path), 2, {}, {"sampler": Planted()}, "", 1,
+                                     place=None)
     with pytest.raises(ValueError, match=r"trainer_state\.pt: the trainer state holds objects "
                                          r"other than tensors .*test_training_checkpoint"):
-        checkpointer.load_latest_training_state(str(tmp_path), {})
+        checkpointer.load_latest_training_state(str(tmp_path), {}, place=None)
     assert UNPICKLED == []

@@ -1,6 +1,7 @@
 """The harness every multi-process test stands on (`world.py`): a rank's failure fails its test
 with the rank's traceback, a hung world ends by its timeout with no rank left behind, and a rank
-sees its test's environment and writes where the test reads; a failed world leaves no file."""
+sees its test's environment and writes where the test reads, and what each rank returns comes
+back by rank; a failed world leaves no file."""
 
 import os
 import tempfile
@@ -21,9 +22,10 @@ def _hang(pid_folder: str) -> None:
     time.sleep(3600)
 
 
-def _report(variable: str) -> None:
+def _report(variable: str) -> tuple[int, str | None]:
     print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} sees "
           f"{variable}={os.environ.get(variable)} in {os.getcwd()}", flush=True)
+    return int(os.environ["RANK"]), os.environ.get(variable)
 
 
 def test_a_failing_rank_fails_the_test_with_its_traceback(tmp_path, monkeypatch):
@@ -49,7 +51,8 @@ def test_a_rank_sees_the_tests_environment_and_writes_where_the_test_reads(
         tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("MCORE_RL_WORLD_PROBE", "set-by-the-test")
     monkeypatch.chdir(tmp_path)
-    run_world(2, _report, "MCORE_RL_WORLD_PROBE")
+    returned = run_world(2, _report, "MCORE_RL_WORLD_PROBE")
+    assert returned == [(0, "set-by-the-test"), (1, "set-by-the-test")]  # by rank
     out = capfd.readouterr().out
     for rank in (0, 1):
         assert f"rank {rank} of 2 sees MCORE_RL_WORLD_PROBE=set-by-the-test in {tmp_path}" in out

@@ -44,7 +44,7 @@ def compare_micro_batching(out_path: str, pipeline: int, max_tokens: int,
                        optimizer=OptimizerConfig(lr=1e-2),
                        batch=BatchConfig(global_batch_size=ROWS, micro_batch_size=2,
                                          seq_length=LENGTH))
-    initialize(config)
+    place = initialize(config).training
     batch = with_responses(random_batch(config, 0))
     if expert_parallel > 1:
         batch = _this_ranks_rows(batch, dist.get_rank(), expert_parallel)
@@ -54,7 +54,7 @@ def compare_micro_batching(out_path: str, pipeline: int, max_tokens: int,
                                ("output_mask", sliced, 0),
                                ("budget_output_mask", sliced, max_tokens)):
         seed_everything(config.runtime.seed)
-        trainable = make_trainable(build_gpt_model(config.model, config.parallel),
+        trainable = make_trainable(build_gpt_model(config.model, config.parallel, place=place),
                                    config.optimizer, "fp32")
         outputs = compute_outputs(trainable.chunks, rows, 2, "lm", VOCAB, max_tokens=budget)
         metrics = train_step(trainable, rows, 2, sft_loss, "lm", VOCAB, max_tokens=budget)

@@ -75,9 +75,9 @@ def value_loss(outputs: dict, micro_batch: dict):
     return (error * mask).sum(), int(mask.sum()), {}
 
 
-def build_models(config: JobConfig) -> dict:
-    actor = build_gpt_model(config.model, config.parallel, "fp32", head="lm")
-    critic = build_gpt_model(config.model, config.parallel, "fp32", head="scalar")
+def build_models(config: JobConfig, place) -> dict:
+    actor = build_gpt_model(config.model, config.parallel, "fp32", head="lm", place=place)
+    critic = build_gpt_model(config.model, config.parallel, "fp32", head="scalar", place=place)
     return {"actor": make_trainable(actor, ACTOR_OPTIMIZER, "fp32"),
             "critic": make_trainable(critic, CRITIC_OPTIMIZER, "fp32")}
 
@@ -119,16 +119,16 @@ def run(tp: int, root: str, out: str, resume: bool, save_steps: tuple, kill_at: 
     # changed within GPU RNG context" warning fires on every draw.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     config = job_config(tp, ep, cp)
-    initialize(config)
-    models = build_models(config)
+    place = initialize(config).training
+    models = build_models(config, place)
     record = {"metrics": {}, "draws": {}, "loaded": None}
     first = 1
     if resume:
         try:
-            load_latest_training_state(root, {"actor": models["actor"]})
+            load_latest_training_state(root, {"actor": models["actor"]}, place=place)
         except ValueError as error:
             record["role_error"] = str(error)
-        step, state = load_latest_training_state(root, models)
+        step, state = load_latest_training_state(root, models, place=place)
         record["loaded"] = (step, state)
         first = step + 1
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -145,7 +145,8 @@ def run(tp: int, root: str, out: str, resume: bool, save_steps: tuple, kill_at: 
             if step == kill_at and dist.get_rank() == 0:
                 training_state._publish = _die_before_publishing
             save_training_state(root, step, models, trainer_state(step), CONFIG_YAML, KEEP_LAST,
-                                rank_state=rank_state(step) if rank_states else None)
+                                rank_state=rank_state(step) if rank_states else None,
+                                place=place)
     record["params"] = {role: {name: param.detach().clone() for name, param in
                                model.chunks[0].module.named_parameters()}
                         for role, model in models.items()}

@@ -68,7 +68,7 @@ def _write_where_the_caller_writes(caller: int) -> None:
 
 
 def _entry(rank: int, world_size: int, port: int, caller: int, environment: dict, function,
-           args) -> None:
+           args, results: str) -> None:
     _write_where_the_caller_writes(caller)
     # A forked rank starts with the server's environment and caches: take the caller's, plus
     # what the preloaded imports set (as the rank's own imports would have).
@@ -82,21 +82,30 @@ def _entry(rank: int, world_size: int, port: int, caller: int, environment: dict
     torch.set_num_threads(1)
     from mcore_rl.runtime import quiet_known_warnings
     quiet_known_warnings()
-    function(*args)
+    value = function(*args)
+    path = os.path.join(results, f"rank_{rank}.pt")
+    torch.save(value, path + ".partial")
+    os.replace(path + ".partial", path)
 
 
-def run_world(world_size: int, function, *args, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
-    """Call function(*args) on `world_size` processes forming one world; raise the first rank's
-    error, or TimeoutError once `timeout` seconds have passed."""
-    context = mp.start_processes(
-        _entry, args=(world_size, free_port(), os.getpid(), dict(os.environ), function, args),
-        nprocs=world_size, join=False, start_method=START_METHOD)
-    try:
-        _join(context, world_size, function, timeout)
-    finally:  # a rank that raised wrote its traceback there; torch reads the first, removes none
-        for path in context.error_files:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+def run_world(world_size: int, function, *args, timeout: float = DEFAULT_TIMEOUT_SECONDS
+              ) -> list:
+    """Call function(*args) on `world_size` processes forming one world and return what each
+    rank returned, by rank (values travel through torch.save); raise the first rank's error,
+    or TimeoutError once `timeout` seconds have passed."""
+    with tempfile.TemporaryDirectory(prefix="world_results_") as results:
+        context = mp.start_processes(
+            _entry, args=(world_size, free_port(), os.getpid(), dict(os.environ), function,
+                          args, results),
+            nprocs=world_size, join=False, start_method=START_METHOD)
+        try:
+            _join(context, world_size, function, timeout)
+        finally:  # a rank that raised wrote its traceback there; torch reads the first
+            for path in context.error_files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        return [torch.load(os.path.join(results, f"rank_{rank}.pt"), weights_only=False)
+                for rank in range(world_size)]
 
 
 def _join(context, world_size: int, function, timeout: float) -> None:

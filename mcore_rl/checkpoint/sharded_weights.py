@@ -29,6 +29,7 @@ import torch
 
 from ..config import ModelConfig
 from ..param_layout import sharding
+from ..runtime.model_rank import ModelRank
 
 StateItems = dict[str, object]
 
@@ -92,24 +93,35 @@ def sharded_pieces(name: str, shard: torch.Tensor, model: ModelConfig, tp_size: 
     return _vocab_blocks(name, shard, model, tp_rank, replica)
 
 
-def sharded_state_dict(local_shards: dict, model: ModelConfig, coordinates,
+def split_of(place: ModelRank, name: str) -> tuple[int, int]:
+    """(size, rank) of the tensor-parallel split canonical parameter ``name`` is cut by at
+    ``place`` (`sharding.tensor_split`: experts by the expert TP, the rest by TP)."""
+    return sharding.tensor_split(name, (place.tp_size, place.tp_rank),
+                                 (place.etp_size, place.etp_rank))
+
+
+def stage_params_of(place: ModelRank, model: ModelConfig, head: str = "lm") -> dict[str, str]:
+    """`sharding.stage_params` of the stage at ``place``: local names -> canonical names."""
+    return sharding.stage_params(model, place.pp_size, place.pp_rank, head, place.ep_size,
+                                 place.ep_rank)
+
+
+def sharded_state_dict(local_shards: dict, model: ModelConfig, place: ModelRank,
                        head: str = "lm") -> StateItems:
     """{unique key: ShardedTensor} for one rank's local shards (local names, as
-    `sharding.shard_full_state` or a model stage hold them); `coordinates`: the rank's
-    `RankCoordinates`. An expert's copies are its expert data-parallel ranks."""
-    sources = coordinates.stage_params(model, head)
+    `sharding.shard_full_state` or a model stage hold them) at `place`. An expert's copies are
+    its expert data-parallel ranks."""
+    sources = stage_params_of(place, model, head)
     if set(local_shards) != set(sources):
         raise ValueError(f"local shards {sorted(set(local_shards) ^ set(sources))} do not match "
-                         f"pipeline stage {coordinates.pp_rank}'s parameters")
+                         f"pipeline stage {place.pp_rank}'s parameters")
     items = {}
-    tied_copy = sharding.has_tied_output_copy(model, coordinates.pp_size, coordinates.pp_rank,
-                                              head)
+    tied_copy = sharding.has_tied_output_copy(model, place.pp_size, place.pp_rank, head)
     for local, canonical in sources.items():
         is_copy = int(tied_copy and local == sharding.OUTPUT_LAYER)
-        copy = (coordinates.expert_dp_rank if sharding.expert_of(canonical) is not None
-                else coordinates.dp_rank)
+        copy = place.edp_rank if sharding.expert_of(canonical) is not None else place.dp_rank
         pieces = sharded_pieces(canonical, local_shards[local], model,
-                                *coordinates.split_of(canonical), (is_copy, copy))
+                                *split_of(place, canonical), (is_copy, copy))
         for index, piece in enumerate(pieces):
             items[f"{local}#{index}"] = piece
     return items

@@ -14,58 +14,19 @@ import dataclasses
 import json
 import os
 import shutil
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..config import ModelConfig, MoEConfig, RopeScalingConfig
 from ..param_layout import sharding
-from ..runtime.layout import training_rank
+from ..runtime.model_rank import ModelRank
 from ..runtime.process_guard import helper_processes_guarded
 from .common_state import write_common_state_file
-from .sharded_weights import sharded_state_dict, stored_vocab_rows
+from .sharded_weights import sharded_state_dict, stage_params_of, stored_vocab_rows
 
 METADATA_FILE = "mcore_rl.json"
 FORMAT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class RankCoordinates:
-    """Where this rank's shards sit in the training layout."""
-
-    tp_size: int
-    pp_size: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int = 0
-    ep_size: int = 1
-    ep_rank: int = 0
-    expert_dp_rank: int = 0
-    """Rank among the copies of this rank's experts (Megatron's expert data-parallel rank)."""
-    etp_size: int | None = None
-    """Expert tensor-parallel size (None: tp_size, with this rank's tp_rank)."""
-    etp_rank: int = 0
-
-    def split_of(self, name: str) -> tuple[int, int]:
-        """(size, rank) of the tensor-parallel split canonical parameter ``name`` is cut by on
-        this rank (`sharding.tensor_split`)."""
-        etp = None if self.etp_size is None else (self.etp_size, self.etp_rank)
-        return sharding.tensor_split(name, (self.tp_size, self.tp_rank), etp)
-
-    def stage_params(self, model: ModelConfig, head: str = "lm") -> dict[str, str]:
-        """`sharding.stage_params` of this rank: local names -> canonical names."""
-        return sharding.stage_params(model, self.pp_size, self.pp_rank, head, self.ep_size,
-                                     self.ep_rank)
-
-
-def megatron_coordinates() -> RankCoordinates:
-    """This rank's coordinates in Megatron's current parallel state (its dense and its expert
-    grid)."""
-    here = training_rank()
-    return RankCoordinates(here.tp_size, here.pp_size, here.tp_rank, here.pp_rank, here.dp_rank,
-                           here.ep_size, here.ep_rank, here.edp_rank, here.etp_size,
-                           here.etp_rank)
 
 
 def is_checkpoint(path: str) -> bool:
@@ -107,7 +68,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def save_weights(path: str, local_shards: dict, model: ModelConfig, coordinates: RankCoordinates,
+def save_weights(path: str, local_shards: dict, model: ModelConfig, place: ModelRank,
                  head: str = "lm", extra_metadata: dict | None = None,
                  tokenizer_files: tuple[str, ...] = (), overwrite: bool = False) -> None:
     """Collective: every rank passes its local shards; the checkpoint appears at `path` only when
@@ -123,7 +84,7 @@ def save_weights(path: str, local_shards: dict, model: ModelConfig, coordinates:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     _barrier()
-    state = sharded_state_dict(local_shards, model, coordinates, head)
+    state = sharded_state_dict(local_shards, model, place, head)
     with helper_processes_guarded():  # the torch_dist writer's Manager, started by the first save
         dist_checkpointing.save(state, staging)
     _barrier()
@@ -135,7 +96,7 @@ def save_weights(path: str, local_shards: dict, model: ModelConfig, coordinates:
                 shutil.copy2(file, os.path.join(staging, "tokenizer"))
         metadata = dict(extra_metadata or {}, format_version=FORMAT_VERSION, head=head,
                         model=dataclasses.asdict(model),
-                        saved_layout=_saved_layout(coordinates))
+                        saved_layout=_saved_layout(place))
         with open(os.path.join(staging, METADATA_FILE), "w") as handle:
             json.dump(metadata, handle, indent=2)
         if os.path.exists(final):
@@ -144,13 +105,13 @@ def save_weights(path: str, local_shards: dict, model: ModelConfig, coordinates:
     _barrier()
 
 
-def _saved_layout(coordinates: RankCoordinates) -> dict:
+def _saved_layout(place: ModelRank) -> dict:
     """The layout that wrote a checkpoint (informative: it loads at any layout)."""
-    layout = {"tp": coordinates.tp_size, "pp": coordinates.pp_size}
-    if coordinates.ep_size > 1:
-        layout["ep"] = coordinates.ep_size
-    if coordinates.etp_size not in (None, coordinates.tp_size):
-        layout["etp"] = coordinates.etp_size
+    layout = {"tp": place.tp_size, "pp": place.pp_size}
+    if place.ep_size > 1:
+        layout["ep"] = place.ep_size
+    if place.etp_size != place.tp_size:
+        layout["etp"] = place.etp_size
     return layout
 
 
@@ -164,7 +125,7 @@ def _check_same_model(path: str, stored: ModelConfig, model: ModelConfig) -> Non
 
 @torch.no_grad()
 def load_weights_into(path: str, local_shards: dict, model: ModelConfig,
-                      coordinates: RankCoordinates, head: str = "lm") -> None:
+                      place: ModelRank, head: str = "lm") -> None:
     """Collective: fill each rank's local shards (tensors, e.g. a model stage's parameters) in
     place from the checkpoint, whatever layout wrote it."""
     from megatron.core import dist_checkpointing
@@ -175,23 +136,23 @@ def load_weights_into(path: str, local_shards: dict, model: ModelConfig,
         raise ValueError(f"{path} holds a model with a '{metadata['head']}' head, not '{head}'")
     targets = {name: torch.empty_like(tensor, device="cpu") for name, tensor in
                local_shards.items()}
-    state = sharded_state_dict(targets, model, coordinates, head)
+    state = sharded_state_dict(targets, model, place, head)
     loaded = dist_checkpointing.load(state, path)
     for key, piece in state.items():
         piece.data.copy_(loaded[key])
-    _zero_vocab_padding(targets, model, coordinates, head)
+    _zero_vocab_padding(targets, model, place, head)
     for name, tensor in local_shards.items():
         tensor.copy_(targets[name])
 
 
-def _zero_vocab_padding(targets: dict, model: ModelConfig, coordinates: RankCoordinates,
+def _zero_vocab_padding(targets: dict, model: ModelConfig, place: ModelRank,
                         head: str) -> None:
     """Zero the vocabulary rows that only exist as padding for this TP size (not stored)."""
-    sources = coordinates.stage_params(model, head)
+    sources = stage_params_of(place, model, head)
     for name, tensor in targets.items():
         if sharding.shard_kind(sources[name]) is not sharding.ShardKind.VOCAB:
             continue
         rows = tensor.shape[0]
-        first_padding = stored_vocab_rows(model) - coordinates.tp_rank * rows
+        first_padding = stored_vocab_rows(model) - place.tp_rank * rows
         if first_padding < rows:
             tensor[max(first_padding, 0):] = 0

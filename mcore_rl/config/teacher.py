@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .model import InitConfig
-from .parallel import expert_grid_errors
+from .parallel import ParallelConfig, expert_grid_errors
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,17 @@ class TeacherConfig:
         """Whether the job distils from a teacher."""
         return bool(self.init.hf_path or self.init.checkpoint)
 
-    def layout(self, student_tp: int, student_pp: int) -> tuple[int, int]:
+    def parallel_config(self, student: ParallelConfig, moe: bool) -> ParallelConfig:
+        """The teacher's own layout over the trainer ranks, 0s replaced by the `student`'s
+        sizes; a Mixture-of-Experts teacher (`moe`) split over TP runs sequence parallel, as
+        Megatron requires there."""
+        tp, pp = self._sizes(student.tensor_model_parallel_size,
+                             student.pipeline_model_parallel_size)
+        return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=self.parallel.expert_model_parallel_size,
+                              sequence_parallel=moe and tp > 1)
+
+    def _sizes(self, student_tp: int, student_pp: int) -> tuple[int, int]:
         """(TP, PP) of the teacher, 0s replaced by the student's sizes."""
         return (self.parallel.tensor_model_parallel_size or student_tp,
                 self.parallel.pipeline_model_parallel_size or student_pp)
@@ -82,7 +92,7 @@ class TeacherConfig:
                           f"{self.reward_weight} must be >= 0")
         if self.micro_batch_size < 0:
             errors.append(f"teacher.micro_batch_size={self.micro_batch_size} must be >= 0")
-        tp, pp = self.layout(student_tp, student_pp)
+        tp, pp = self._sizes(student_tp, student_pp)
         ep = self.parallel.expert_model_parallel_size
         if tp < 1 or pp < 1 or ranks % (tp * pp):
             errors.append(f"teacher.parallel: TP {tp} x PP {pp} must divide the {ranks} {where} "

@@ -16,15 +16,17 @@ import shutil
 
 import torch.distributed as dist
 
-from mcore_rl.checkpoint.weights_io import megatron_coordinates, read_metadata, save_weights
+from mcore_rl.checkpoint.weights_io import read_metadata, save_weights
 from mcore_rl.config import JobConfig
+from mcore_rl.runtime.model_rank import ModelRank
 
 from .architectures import ARCHITECTURES, Architecture, architecture_for
 from .mcore_to_hf import convert_mcore_to_hf
 
 
-def export_actor_to_hf(config: JobConfig, parameters: dict, tokenizer, out_dir: str) -> str:
-    """Write this rank's actor shards (`parameters`: Megatron local names -> tensors) into the
+def export_actor_to_hf(config: JobConfig, parameters: dict, place: ModelRank, tokenizer,
+                       out_dir: str) -> str:
+    """Write the actor shards at `place` (`parameters`: Megatron local names -> tensors) into the
     HF folder `out_dir` (collective). An existing folder is replaced: it is from a run that
     died after exporting this step and before checkpointing it, and the resumed run has just
     trained the step again."""
@@ -33,7 +35,7 @@ def export_actor_to_hf(config: JobConfig, parameters: dict, tokenizer, out_dir: 
     dist.barrier()
     metadata = hf_metadata(config)
     weights_dir = out_dir + ".mcore"
-    save_weights(weights_dir, parameters, config.model, megatron_coordinates(),
+    save_weights(weights_dir, parameters, config.model, place,
                  extra_metadata=metadata, tokenizer_files=tokenizer_files(tokenizer),
                  overwrite=True)
     convert_mcore_to_hf(weights_dir, out_dir, metadata["hf_architecture"])

@@ -17,10 +17,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.weights_io import RankCoordinates, save_weights
-from ..runtime.layout import ParallelLayout
+from ..checkpoint.sharded_weights import split_of, stage_params_of
+from ..checkpoint.weights_io import save_weights
 from ..config import ModelConfig
 from ..param_layout import sharding
+from ..runtime.layout import ParallelLayout
+from ..runtime.model_rank import ModelRank
 from ..runtime.progress import progress
 from .architectures import Architecture, architecture_for
 from .hf_reader import HFCheckpoint
@@ -57,15 +59,15 @@ def canonical_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConfig,
 
 
 def local_shards_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConfig,
-                         coordinates: RankCoordinates) -> dict:
-    """This rank's local shards (LM head), streamed tensor by tensor. Shards are copies, so
+                         place: ModelRank) -> dict:
+    """The local shards at `place` (LM head), streamed tensor by tensor. Shards are copies, so
     each full tensor is freed as soon as it has been cut."""
     shards = {}
-    params = coordinates.stage_params(model)
+    params = stage_params_of(place, model)
     for local, canonical in progress(params.items(), total=len(params), desc="hf->mcore",
                                      unit="tensor"):
         full = canonical_from_hf(hf, arch, model, canonical)
-        shard = sharding.split_for_tp(canonical, full, model, *coordinates.split_of(canonical))
+        shard = sharding.split_for_tp(canonical, full, model, *split_of(place, canonical))
         shards[local] = shard.clone()
         del full
     return shards
@@ -109,10 +111,9 @@ def convert_hf_to_mcore(hf_path: str, out_dir: str, tp: int = 1, pp: int = 1,
     if errors:
         raise ValueError(f"{hf_path} cannot be laid out at tp={tp}, pp={pp}, ep={ep}, "
                          f"etp={layout.expert_tp}: " + "; ".join(errors))
-    coordinates = (RankCoordinates(1, 1, 0, 0) if world == 1
-                   else _rank_coordinates(layout, dist.get_rank()))
-    shards = local_shards_from_hf(hf, arch, model, coordinates)
-    save_weights(out_dir, shards, model, coordinates, head="lm",
+    place = ModelRank.alone() if world == 1 else ModelRank(layout, dist.get_rank())
+    shards = local_shards_from_hf(hf, arch, model, place)
+    save_weights(out_dir, shards, model, place, head="lm",
                  tokenizer_files=tokenizer_files(hf, arch),
                  extra_metadata={"hf_architecture": arch.name, "hf_config": hf.config,
                                  "converted_for": {"tp": tp, "pp": pp, "ep": ep,
@@ -125,10 +126,3 @@ CONVERSION_ORDER = "tp-ep-dp-pp"
 as the EP ranks (the DP ranks after the first, and the expert copies, are replicas that the
 first writes)."""
 
-
-def _rank_coordinates(layout: ParallelLayout, rank: int) -> RankCoordinates:
-    """``rank``'s target coordinates in the conversion world's layout."""
-    position = layout.position(rank)
-    return RankCoordinates(layout.tp, layout.pp, position.tp_rank, position.pp_rank,
-                           position.dp_rank, layout.ep, position.ep_rank, position.edp_rank,
-                           layout.expert_tp, position.etp_rank)

@@ -13,9 +13,10 @@ import dataclasses
 
 import torch
 
-from ..checkpoint.weights_io import RankCoordinates
+from ..checkpoint.sharded_weights import split_of, stage_params_of
 from ..config import ModelConfig
 from ..param_layout import sharding
+from ..runtime.model_rank import ModelRank
 from .architectures import Architecture, architecture_for
 from .hf_reader import HFCheckpoint
 from .hf_to_mcore import canonical_from_hf
@@ -57,16 +58,16 @@ def _check_tensors(hf: HFCheckpoint, arch: Architecture, model: ModelConfig) -> 
 
 
 def scalar_shards_from_hf(hf: HFCheckpoint, arch: Architecture, model: ModelConfig,
-                          coordinates: RankCoordinates) -> dict[str, torch.Tensor]:
-    """This rank's local shards of the scalar-head model, streamed tensor by tensor."""
+                          place: ModelRank) -> dict[str, torch.Tensor]:
+    """The local shards at `place` of the scalar-head model, streamed tensor by tensor."""
     shards = {}
-    for local, canonical in coordinates.stage_params(model, "scalar").items():
+    for local, canonical in stage_params_of(place, model, "scalar").items():
         if canonical == sharding.SCALAR_HEAD:
             shards[local] = hf.tensor(SCORE).clone()
             continue
         full = canonical_from_hf(hf, arch, model, canonical)
         shards[local] = sharding.split_for_tp(canonical, full, model,
-                                              *coordinates.split_of(canonical)).clone()
+                                              *split_of(place, canonical)).clone()
     return shards
 
 

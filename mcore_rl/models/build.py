@@ -13,9 +13,8 @@ import torch
 from ..config import ModelConfig, ParallelConfig
 from ..config.lora import LoraConfig
 from ..param_layout.sharding import adapter_of
-from ..runtime.layout import training_rank
 from ..runtime.log import print0
-from ..runtime.model_groups import ModelGroups
+from ..runtime.model_rank import ModelRank
 from .heads import ScalarHead
 from .layer_spec import decoder_spec
 from .lora import initialize_adapters
@@ -28,9 +27,9 @@ Head = Literal["lm", "scalar"]
 def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str = "fp32",
                     head: Head = "lm", device: torch.device | None = None,
                     random_init: bool = True, lora: LoraConfig | None = None,
-                    seed: int = 0, groups: ModelGroups | None = None):
-    """The GPTModel stage this rank holds in the current Megatron parallel state, or in
-    `groups` (a second model's own layout, which `parallel` then describes).
+                    seed: int = 0, *, place: ModelRank):
+    """The GPTModel stage the rank at `place` holds (the layout `parallel` describes), built
+    over `place`'s process groups. The stage carries `place` (`model_rank_of`).
 
     head="lm": vocab-parallel logits over `model.padded_vocab_size(tp)` rows.
     head="scalar": one number per position (critic values, reward-model scores).
@@ -46,30 +45,25 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
     if lora is not None:
         _check_lora_targets(lora, model)
     config = megatron_transformer_config(model, parallel, precision, random_init)
-    if groups is None:
-        here = training_rank()
-        pre_process, post_process, pp_rank = here.is_first_stage, here.is_last_stage, here.pp_rank
-    else:
-        pre_process, post_process = groups.is_first_stage, groups.is_last_stage
-        pp_rank = groups.pp_rank
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec(config, model.qk_norm, model.moe.enabled, pp_rank,
-                                            lora),
+        transformer_layer_spec=decoder_spec(config, model.qk_norm, model.moe.enabled,
+                                            place.pp_rank, lora),
         vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
         max_sequence_length=model.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
+        pre_process=place.is_first_stage,
+        post_process=place.is_last_stage,
         parallel_output=True,
         share_embeddings_and_output_weights=model.tie_embeddings and head == "lm",
         position_embedding_type="rope",
         rotary_base=model.rope_theta,
-        pg_collection=groups.collection if groups is not None else None,
+        pg_collection=place.groups,
     )
+    gpt.model_rank = place
     if model.rope_scaling is not None:
         inv_freq = rope_inverse_frequencies(model.kv_channels, model.rope_theta)
         gpt.rotary_pos_emb.inv_freq = llama3_scaled_frequencies(inv_freq, model.rope_scaling)
-    if head == "scalar" and post_process:
+    if head == "scalar" and place.is_last_stage:
         gpt.output_layer = ScalarHead(model.hidden_size, config.params_dtype,
                                       parallel.sequence_parallel, device)
     _cast_parameters(gpt, config.params_dtype)
@@ -81,7 +75,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
         gpt.to(device)
     if lora is not None and lora.enabled:
         _freeze_all_but_adapters(gpt)
-        initialize_adapters(gpt, model, seed)
+        initialize_adapters(gpt, model, seed, place)
     return gpt
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..config.lora import LoraConfig
 from ..config.model import ModelConfig
 from ..param_layout import sharding
-from ..runtime.layout import training_rank
+from ..runtime.model_rank import ModelRank
 from .spec_parts import mlp_submodules, submodules_of
 from .weights import local_parameters
 
@@ -227,11 +227,11 @@ def served_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def initialize_adapters(module: torch.nn.Module, model: ModelConfig, seed: int) -> None:
+def initialize_adapters(module: torch.nn.Module, model: ModelConfig, seed: int,
+                        here: ModelRank) -> None:
     """peft's starting adapters on every layout: A ~ U(-1/sqrt(in), 1/sqrt(in)) drawn whole
-    from a generator seeded by `seed` and A's global name, then cut to this rank's shard;
-    B = 0."""
-    here = training_rank()
+    from a generator seeded by `seed` and A's global name, then cut to the shard of the stage
+    at `here`; B = 0."""
     tp_size, tp_rank, pp_size, pp_rank = here.tp_size, here.tp_rank, here.pp_size, here.pp_rank
     for name, linear in adapted_linears(module).items():
         a_name = sharding.to_global_name(f"{name}.lora_a", pp_rank, model, pp_size)
@@ -262,7 +262,7 @@ def adapter_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             if sharding.adapter_of(name) is not None}
 
 
-def gather_full_adapters(local: dict[str, torch.Tensor], model: ModelConfig
+def gather_full_adapters(local: dict[str, torch.Tensor], model: ModelConfig, here: ModelRank
                          ) -> dict[str, torch.Tensor] | None:
     """Collective: every rank's adapter shards (`local`: canonical local names, e.g. the
     parameters or their gradients) merged into full tensors under global names, on rank 0
@@ -270,7 +270,6 @@ def gather_full_adapters(local: dict[str, torch.Tensor], model: ModelConfig
     first data-parallel replica sends them."""
     import torch.distributed as dist
 
-    here = training_rank()
     mine = {}
     if here.replica_rank == 0:  # replicas send nothing
         mine = {sharding.to_global_name(name, here.pp_rank, model, here.pp_size):

@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config.model import ModelConfig
-from mcore_rl.runtime.layout import training_group, training_rank
+from mcore_rl.runtime.model_rank import ModelRank
 
+from .weights import model_rank_of
 from .context_parallel import gather_sequence, split_for_rank
 
 NO_ROUTE = -1
@@ -74,30 +75,31 @@ def local_routers(chunk, model: ModelConfig) -> list[tuple[int, torch.nn.Module]
     return routers
 
 
-def _sequence_major(per_token: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-    """[b, s, ...] -> the router's token order [s_local * b, ...]: sequence-major, under
-    context parallelism this CP rank's two chunks, and with sequence parallelism only this TP
-    rank's part of those."""
-    here = training_rank()
+def _sequence_major(per_token: torch.Tensor, here: ModelRank, sequence_parallel: bool
+                    ) -> torch.Tensor:
+    """[b, s, ...] -> the router's token order [s_local * b, ...] at `here`: sequence-major,
+    under context parallelism this CP rank's two chunks, and with sequence parallelism only
+    this TP rank's part of those."""
     tokens = split_for_rank(per_token, 1, here.cp_rank, here.cp_size).transpose(0, 1)
     if sequence_parallel:
         tokens = tokens.chunk(here.tp_size)[here.tp_rank]
     return tokens.reshape(-1, *per_token.shape[2:])
 
 
-def _whole_sequence(tokens: torch.Tensor, rows: int, sequence_parallel: bool) -> torch.Tensor:
+def _whole_sequence(tokens: torch.Tensor, rows: int, here: ModelRank, sequence_parallel: bool
+                    ) -> torch.Tensor:
     """This rank's [s_local * b, ...] tokens -> [b, s, ...] in sequence order, gathered over
     the TP ranks (with sequence parallelism) and the CP ranks (the inverse of
     `_sequence_major`)."""
     if sequence_parallel:
-        group = training_group("tp")
+        group = here.group("tp")
         whole = tokens.new_empty((tokens.shape[0] * dist.get_world_size(group),
                                   *tokens.shape[1:]))
         dist.all_gather_into_tensor(whole, tokens.contiguous(), group=group)
         tokens = whole
     by_position = tokens.reshape(-1, rows, *tokens.shape[1:])
-    if training_rank().cp_size > 1:
-        by_position = gather_sequence(by_position, training_group("cp"), sum_gradients=False)
+    if here.cp_size > 1:
+        by_position = gather_sequence(by_position, here.group("cp"), sum_gradients=False)
     return by_position.transpose(0, 1)
 
 
@@ -162,23 +164,24 @@ class RoutingPass:
         given = micro_batch.get("routed_experts")
         mask = micro_batch["attention_mask"]
         taken = self._no_routes(*mask.shape, device=mask.device) if self.keep_routes else None
+        here = model_rank_of(chunk)
         with ExitStack() as stack:
             for slot, router in local_routers(chunk, self.model):
                 if self.replay:
-                    stack.enter_context(self._replaying(router, given[:, :, slot], mask))
+                    stack.enter_context(self._replaying(router, here, given[:, :, slot], mask))
                 if self.observe:
                     handle = router.register_forward_hook(
                         lambda module, args, output, slot=slot:
-                        self._observe(module, args[0], output[1], slot, micro_batch, given,
-                                      taken))
+                        self._observe(module, here, args[0], output[1], slot, micro_batch,
+                                      given, taken))
                     stack.callback(handle.remove)
             yield
         if taken is not None and bool(mask.any()):  # not a filler (nothing to keep); copies
             self._taken.append((micro_batch["row_ids"].cpu(), taken.cpu()))  # sync anyway
 
     @contextmanager
-    def _replaying(self, router, routes: torch.Tensor, attention_mask: torch.Tensor
-                   ) -> Iterator[None]:
+    def _replaying(self, router, here: ModelRank, routes: torch.Tensor,
+                   attention_mask: torch.Tensor) -> Iterator[None]:
         """`router` routes token (row, position) to routes[row, position]. Where no route is
         given (NO_ROUTE), a real token takes the router's own choice (a row the engine gave no
         routes, e.g. an episode ended by a failed reset; a response's last token) and padding a
@@ -187,8 +190,9 @@ class RoutingPass:
         unrouted = routes[..., 0] == NO_ROUTE
         filler = filler_routes(routes.shape[:-1], self.topk, self.experts, routes.device)
         routes = torch.where(unrouted[..., None], filler, routes.long())
-        given = _GivenRoutes(_sequence_major(routes, sequence_parallel),
-                             _sequence_major(unrouted & attention_mask.bool(), sequence_parallel))
+        given = _GivenRoutes(_sequence_major(routes, here, sequence_parallel),
+                             _sequence_major(unrouted & attention_mask.bool(), here,
+                                             sequence_parallel))
         megatron_replay, router.router_replay = router.router_replay, given
         try:
             yield
@@ -196,7 +200,7 @@ class RoutingPass:
             router.router_replay = megatron_replay
 
     @torch.no_grad()
-    def _observe(self, router, hidden: torch.Tensor, routing_map: torch.Tensor, slot: int,
+    def _observe(self, router, here: ModelRank, hidden: torch.Tensor, routing_map: torch.Tensor, slot: int,
                  micro_batch: dict, given: torch.Tensor | None,
                  taken_by_row: torch.Tensor | None) -> None:
         """Add one router's forward to the pass's figures, over the real tokens that have a
@@ -205,20 +209,21 @@ class RoutingPass:
         parallelism the ranks' parts gathered: every rank runs each router, in the same
         order)."""
         sequence_parallel = router.config.sequence_parallel
-        counted = _sequence_major(micro_batch["attention_mask"].bool(), sequence_parallel)
+        counted = _sequence_major(micro_batch["attention_mask"].bool(), here, sequence_parallel)
         # Dropless routing: each token's row holds exactly k experts (in no particular order).
         taken = routing_map.to(torch.int8).topk(self.topk, dim=-1).indices
         load, probs_sum, entropy_sum, tokens, agreeing, replayed = self._parts(
             self._accumulated(hidden.device))
         if self.expect_routes:  # the engine fed every real token but a row's last
-            fed = _sequence_major(_all_but_last(micro_batch["attention_mask"]), sequence_parallel)
+            fed = _sequence_major(_all_but_last(micro_batch["attention_mask"]), here,
+                                  sequence_parallel)
             if given is not None:
-                replayed[0] += (fed & (_sequence_major(given[:, :, slot, 0], sequence_parallel)
-                                       != NO_ROUTE)).sum()
+                replayed[0] += (fed & (_sequence_major(given[:, :, slot, 0], here,
+                                                       sequence_parallel) != NO_ROUTE)).sum()
             replayed[1] += fed.sum()
         logits = router.gating(hidden).reshape(-1, self.experts)
         if given is not None:
-            engine = _sequence_major(given[:, :, slot].long(), sequence_parallel)
+            engine = _sequence_major(given[:, :, slot].long(), here, sequence_parallel)
             counted = counted & (engine[:, 0] != NO_ROUTE)
             # The router's own choice, also while it replays (then `taken` is the replayed
             # routes): top-k of its softmax scores, which are the logits' (no expert bias).
@@ -234,7 +239,7 @@ class RoutingPass:
         tokens[slot] += counted.sum()
         if taken_by_row is not None:
             rows = micro_batch["attention_mask"].shape[0]
-            taken_by_row[:, :, slot] = _whole_sequence(taken, rows, sequence_parallel)
+            taken_by_row[:, :, slot] = _whole_sequence(taken, rows, here, sequence_parallel)
 
     def _no_routes(self, rows: int, length: int, device=None) -> torch.Tensor:
         return torch.full((rows, length, self.layers, self.topk), NO_ROUTE, dtype=torch.int16,

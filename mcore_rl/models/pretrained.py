@@ -10,43 +10,40 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint.weights_io import (RankCoordinates, load_weights_into, megatron_coordinates,
-                                     read_metadata)
+from ..checkpoint.sharded_weights import stage_params_of
+from ..checkpoint.weights_io import load_weights_into, read_metadata
 from ..config import InitConfig, ModelConfig, ParallelConfig
 from ..config.lora import LoraConfig
-from ..runtime.layout import training_group
 from ..param_layout import sharding
 from ..runtime.devices import collective_device
-from ..runtime.model_groups import ModelGroups
+from ..runtime.model_rank import ModelRank
 from .build import build_gpt_model
-from .weights import base_parameters, copy_into_stage
+from .weights import base_parameters, copy_into_stage, model_rank_of
 
 
 def build_from_init(init: InitConfig, model: ModelConfig, parallel: ParallelConfig,
                     precision: str, head: str = "lm", device: torch.device | None = None,
-                    lora: LoraConfig | None = None, seed: int = 0):
-    """This rank's model stage holding `init`'s weights, randomly initialised only when `init`
-    names no weights (initialising what a checkpoint overwrites costs minutes at scale); with
-    lora enabled, `init`'s weights are the frozen base of new adapters started from `seed`."""
+                    lora: LoraConfig | None = None, seed: int = 0, *, place: ModelRank):
+    """The model stage at `place` holding `init`'s weights, randomly initialised only when
+    `init` names no weights (initialising what a checkpoint overwrites costs minutes at scale);
+    with lora enabled, `init`'s weights are the frozen base of new adapters started from
+    `seed`."""
     module = build_gpt_model(model, parallel, precision, head, device,
                              random_init=not (init.hf_path or init.checkpoint), lora=lora,
-                             seed=seed)
+                             seed=seed, place=place)
     load_initial_weights(module, init, model, head)
     check_replicas_identical(module)
     return module
 
 
 def build_frozen_from_init(init: InitConfig, model: ModelConfig, parallel: ParallelConfig,
-                           precision: str, groups: ModelGroups,
+                           precision: str, place: ModelRank,
                            device: torch.device | None = None):
-    """This rank's stage of a frozen LM (no gradients) in its own layout `groups` (which
-    `parallel` describes), holding `init`'s weights: a teacher beside the trained model."""
+    """The stage at `place` of a frozen LM (no gradients) in its own layout (which `parallel`
+    describes), holding `init`'s weights: a teacher beside the trained model."""
     module = build_gpt_model(model, parallel, precision, "lm", device, random_init=False,
-                             groups=groups)
-    coordinates = RankCoordinates(groups.tp_size, groups.pp_size, groups.tp_rank,
-                                  groups.pp_rank, groups.dp_rank, groups.ep_size, groups.ep_rank,
-                                  groups.edp_rank)
-    if not load_initial_weights(module, init, model, "lm", coordinates):
+                             place=place)
+    if not load_initial_weights(module, init, model, "lm"):
         raise ValueError("a frozen model needs weights: set hf_path or checkpoint")
     for param in module.parameters():
         param.requires_grad_(False)
@@ -58,7 +55,8 @@ def copy_of_stage(module: torch.nn.Module, model: ModelConfig, parallel: Paralle
                   precision: str, device: torch.device | None = None) -> torch.nn.Module:
     """A second LM stage holding `module`'s current weights (a copy, not a second load, so a
     randomly initialised policy gets the same copy): a reference's starting policy."""
-    copy = build_gpt_model(model, parallel, precision, "lm", device, random_init=False)
+    copy = build_gpt_model(model, parallel, precision, "lm", device, random_init=False,
+                           place=model_rank_of(module))
     copy_into_stage(copy, {name: param.detach() for name, param in
                            base_parameters(module).items()})
     return copy
@@ -73,9 +71,10 @@ def check_replicas_identical(module: torch.nn.Module) -> None:
     group): the DP ranks of different EP ranks hold different experts."""
     expert = [param for param in module.parameters() if not getattr(param, "allreduce", True)]
     dense = [param for param in module.parameters() if getattr(param, "allreduce", True)]
-    differ = _replicas_differ(dense, training_group("dp"))
+    here = model_rank_of(module)
+    differ = _replicas_differ(dense, here.group("dp"))
     if expert:
-        differ |= _replicas_differ(expert, training_group("edp"))
+        differ |= _replicas_differ(expert, here.group("edp"))
     if differ:
         raise RuntimeError("the data-parallel replicas of the model start from different "
                            "weights (seeding or loading differs between ranks)")
@@ -98,32 +97,32 @@ def _replicas_differ(params: list[torch.Tensor], group) -> bool:
 
 @torch.no_grad()
 def load_initial_weights(module: torch.nn.Module, init: InitConfig, model: ModelConfig,
-                         head: str = "lm", coordinates: RankCoordinates | None = None) -> bool:
-    """Load `init`'s weights into this rank's stage (at `coordinates`, by default its place in
-    Megatron's parallel state); False when init names no source."""
-    coordinates = coordinates or megatron_coordinates()
+                         head: str = "lm") -> bool:
+    """Load `init`'s weights into the stage (at the place it carries); False when init names no
+    source."""
+    place = model_rank_of(module)
     if init.hf_path:
         from ..conversion.hf_to_mcore import local_shards_from_hf, open_hf
 
         hf, arch, hf_model = open_hf(init.hf_path)
-        shards = local_shards_from_hf(hf, arch, hf_model, coordinates)
+        shards = local_shards_from_hf(hf, arch, hf_model, place)
         copy_into_stage(module, _for_head(shards, head), keep=_kept(head))
         return True
     if init.checkpoint:
         stored_head = read_metadata(init.checkpoint)["head"]
         params = {name: p.data for name, p in base_parameters(module).items()}
         if stored_head == head:
-            load_weights_into(init.checkpoint, params, model, coordinates, head)
+            load_weights_into(init.checkpoint, params, model, place, head)
             return True
         if stored_head != "lm":
             raise ValueError(f"{init.checkpoint} holds a '{stored_head}' head: a '{head}' model "
                              f"starts from an LM checkpoint or a '{head}' one")
         trunk = {name: p for name, p in params.items() if name not in _kept(head)}
         stored = dict(trunk)
-        if stored_head == "lm" and sharding.OUTPUT_LAYER in _lm_stage(model, coordinates):
+        if stored_head == "lm" and sharding.OUTPUT_LAYER in stage_params_of(place, model, "lm"):
             stored[sharding.OUTPUT_LAYER] = torch.empty(
-                sharding.local_shape(sharding.OUTPUT_LAYER, model, coordinates.tp_size))
-        load_weights_into(init.checkpoint, stored, model, coordinates, stored_head)
+                sharding.local_shape(sharding.OUTPUT_LAYER, model, place.tp_size))
+        load_weights_into(init.checkpoint, stored, model, place, stored_head)
         return True
     return False
 
@@ -139,6 +138,3 @@ def _for_head(lm_shards: dict, head: str) -> dict:
         return lm_shards
     return {name: tensor for name, tensor in lm_shards.items() if name != sharding.OUTPUT_LAYER}
 
-
-def _lm_stage(model: ModelConfig, coordinates) -> dict:
-    return coordinates.stage_params(model, "lm")

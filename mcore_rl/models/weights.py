@@ -11,9 +11,9 @@ from typing import Mapping
 
 import torch
 
-from ..config import ModelConfig, ParallelConfig
+from ..config import ModelConfig
 from ..param_layout import sharding
-from ..runtime.layout import training_rank
+from ..runtime.model_rank import ModelRank
 
 
 def local_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -54,12 +54,19 @@ def copy_into_stage(module: torch.nn.Module, local_shards: Mapping[str, torch.Te
 
 
 def load_full_state(module: torch.nn.Module, full_state: Mapping[str, torch.Tensor],
-                    model: ModelConfig, parallel: ParallelConfig, head: str = "lm") -> None:
-    """Copy this rank's shards of a canonical full state into the model stage, in place."""
-    here = training_rank()
+                    model: ModelConfig, head: str = "lm") -> None:
+    """Copy the stage's shards (at the place it carries) of a canonical full state into it, in
+    place."""
+    here = model_rank_of(module)
     shards = sharding.shard_full_state(
-        full_state, model, parallel.tensor_model_parallel_size,
-        parallel.pipeline_model_parallel_size, here.tp_rank, here.pp_rank, head,
-        parallel.expert_model_parallel_size, here.ep_rank,
-        (parallel.expert_tensor_parallel, here.etp_rank))
+        full_state, model, here.tp_size, here.pp_size, here.tp_rank, here.pp_rank, head,
+        here.ep_size, here.ep_rank, (here.etp_size, here.etp_rank))
     copy_into_stage(module, shards)
+
+
+def model_rank_of(module: torch.nn.Module) -> ModelRank:
+    """The `ModelRank` a stage built by `build_gpt_model` carries (through DDP and precision
+    wrappers)."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(module).model_rank

@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from mcore_rl.checkpoint.weights_io import megatron_coordinates, save_weights
+from mcore_rl.checkpoint.weights_io import save_weights
 from mcore_rl.config import ConfigError, JobConfig
 from mcore_rl.conversion.export import hf_metadata, tokenizer_files
 from mcore_rl.conversion.mcore_to_hf import convert_mcore_to_hf
@@ -71,11 +71,12 @@ class PreferenceTrainer:
                               f"{train.num_pairs} training pairs")
         module = build_from_init(config.init, config.model, config.parallel,
                                  config.runtime.precision, self.HEAD, job.runtime.device,
-                                 section.lora, config.runtime.seed)
+                                 section.lora, config.runtime.seed, place=job.place)
         self.trainable = make_trainable(module, section.optimizer, config.runtime.precision)
         self.prepare(job, module)
         self.pad_id = pad_id(job.tokenizer)
-        steps = run_epochs(section, train.num_pairs, job.logger, self.SECTION,
+        self.place = job.place
+        steps = run_epochs(job.place, section, train.num_pairs, job.logger, self.SECTION,
                            partial(self._train_on, train),
                            partial(self._evaluate, validation) if validation.num_pairs else None)
         hf_dir = self._save(job, module)
@@ -134,7 +135,7 @@ class PreferenceTrainer:
             return pair_sums(self.terms, outputs, batch, self.STATISTICS)
 
         section = getattr(self.config, self.SECTION)
-        totals = data_parallel_sums(validation.num_pairs, section.micro_batch_size,
+        totals = data_parallel_sums(self.place, validation.num_pairs, section.micro_batch_size,
                                     2 + len(self.STATISTICS), sums_of)
         count = totals[1].clamp(min=1)
         means = {f"{self.SECTION}/val_loss": (totals[0] / count).item()}
@@ -146,7 +147,7 @@ class PreferenceTrainer:
         """The weights checkpoint, then the HF folder converted from it (collective)."""
         config = job.config
         model_dir = os.path.join(config.runtime.output_dir, MODEL_DIR)
-        save_weights(model_dir, served_parameters(module), config.model, megatron_coordinates(),
+        save_weights(model_dir, served_parameters(module), config.model, job.place,
                      head=self.HEAD, extra_metadata=hf_metadata(config),
                      tokenizer_files=tokenizer_files(job.tokenizer))
         hf_dir = os.path.join(config.runtime.output_dir, HF_DIR)

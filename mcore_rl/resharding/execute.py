@@ -32,11 +32,10 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 
-from ..runtime.layout import training_rank
+from ..runtime.model_rank import ModelRank
 from ..runtime.transport import Transport, WorldTransport
-from .layouts import DEFAULT_ORDER, TrainingLayout, layout_order
+from .layouts import TrainingLayout, layout_order
 from .plan import BucketEntry, ParamPlan, PlanError, ReshardPlan, Transfer
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 ** 2
@@ -225,19 +224,18 @@ class Resharder:
         return out
 
 
-def megatron_training_layout(model, order: str = "-".join(DEFAULT_ORDER)) -> TrainingLayout:
-    """The TrainingLayout of Megatron's current parallel state, initialised with rank order
-    `order`, after checking that this rank's coordinates in it (expert-parallel rank included)
-    are the ones Megatron assigned (the plan relies on the rank order)."""
-    here = training_rank()
+def megatron_training_layout(model, here: ModelRank) -> TrainingLayout:
+    """The TrainingLayout of the trained models' layout `here` lives in, after checking that
+    this rank's coordinates in it (expert-parallel rank included) are `here`'s (the plan relies
+    on the rank order)."""
     # CP ranks hold the same weights: to the resharder they are more replicas.
-    layout = TrainingLayout(model, here.tp_size, here.pp_size, here.dp_size * here.cp_size,
-                            layout_order(order), here.ep_size, here.etp_size)
-    rank = dist.get_rank()
+    source = here.layout
+    layout = TrainingLayout(model, source.tp, source.pp, source.dp * source.cp,
+                            layout_order(source.order), source.ep, source.expert_tp)
     mine = (here.tp_rank, here.pp_rank, here.replica_rank, here.ep_rank, here.etp_rank)
-    assumed = layout.coordinates(rank) + layout.holding(rank)[2:]
+    assumed = layout.coordinates(here.rank) + layout.holding(here.rank)[2:]
     if assumed != mine:
-        raise PlanError(f"rank {rank} has Megatron coordinates (tp, pp, dp, ep, etp) = {mine} but "
-                        f"the resharding layout assumes {assumed} for Megatron's rank order "
-                        f"{order}")
+        raise PlanError(f"rank {here.rank} has coordinates (tp, pp, dp, ep, etp) = {mine} but "
+                        f"the resharding layout assumes {assumed} for rank order "
+                        f"{source.order}")
     return layout

@@ -34,7 +34,7 @@ from mcore_rl.resharding.plan import ReshardPlan
 from mcore_rl.resharding.rank_order import choose_training_order
 from mcore_rl.rewards import FunctionTable, RuleRewards
 from mcore_rl.roles import Actor, Critic, Reference, RewardModel, RuleReward, Teacher
-from mcore_rl.runtime import LaunchEnv, print0, seed_everything
+from mcore_rl.runtime import LaunchEnv, Runtime, print0, seed_everything
 from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.transport import Transport
 from mcore_rl.rollout import MegatronEngine, RolloutEngine
@@ -74,14 +74,16 @@ def say_old_logprob_source(config: JobConfig) -> None:
            f"{OLD_LOGPROB_PASSES[source]}{why}")
 
 
-def build_roles(config: JobConfig, device: torch.device, tokenizer=None) -> Roles:
+def build_roles(config: JobConfig, runtime: Runtime, tokenizer=None) -> Roles:
     """Actor (+ critic, + reference, + teacher) with their starting weights from `config.init`
-    (the teacher's from teacher.init, checked against the student's `tokenizer`). An actor
-    with adapters is its own reference (adapters off): no second model is built."""
+    (the teacher's from teacher.init, checked against the student's `tokenizer`), on the
+    runtime's device at its place in the trained models' layout. An actor with adapters is its
+    own reference (adapters off): no second model is built."""
     precision, temperature = config.runtime.precision, config.rollout.sampling.temperature
+    device, place = runtime.device, runtime.training
     with STARTUP.phase("actor_build_and_load"):
         policy = build_from_init(config.init, config.model, config.parallel, precision, "lm",
-                                 device, config.actor.lora, config.runtime.seed)
+                                 device, config.actor.lora, config.runtime.seed, place=place)
     reference = None
     if config.algorithm.needs_reference:
         with STARTUP.phase("reference_copy"):
@@ -102,15 +104,15 @@ def build_roles(config: JobConfig, device: torch.device, tokenizer=None) -> Role
     critic = None
     if config.algorithm.needs_critic:
         value_model = build_from_init(critic_init(config), config.model, config.parallel,
-                                      precision, "scalar", device)
+                                      precision, "scalar", device, place=place)
         critic = Critic(make_trainable(value_model, config.critic.optimizer, precision),
                         config.critic.micro_batch_size, config.algorithm,
                         config.micro_batch_tokens("critic"))
     say_old_logprob_source(config)
     reward_model = None
     if config.reward.model_path:
-        reward_model = build_reward_model(config, device)
-    teacher = build_teacher(config, tokenizer, device) if config.teacher.enabled else None
+        reward_model = build_reward_model(config, runtime)
+    teacher = build_teacher(config, tokenizer, runtime) if config.teacher.enabled else None
     return Roles(actor, critic, reference, reward_model, teacher)
 
 
@@ -218,7 +220,7 @@ def ground_truth_checked(config: JobConfig, data: TrainingData, reward_fn) -> bo
     return not (missing or unknown)
 
 
-def build_reward_model(config: JobConfig, device: torch.device) -> RewardModel:
+def build_reward_model(config: JobConfig, runtime: Runtime) -> RewardModel:
     """The frozen reward model from reward.model_path (an HF sequence classifier). Without a
     missing-EOS penalty rank 0 says once that cut-off responses are scored as complete ones."""
     if not config.reward.shaping.missing_eos_penalty:
@@ -226,7 +228,6 @@ def build_reward_model(config: JobConfig, device: torch.device) -> RewardModel:
                "scored as if complete (a reward model trained on complete answers can rate "
                "them highest); reward.shaping.missing_eos_penalty penalises them "
                "(docs/preference.md)")
-    from mcore_rl.checkpoint import megatron_coordinates
     from mcore_rl.conversion.sequence_classifier import (open_sequence_classifier,
                                                          scalar_shards_from_hf)
     from mcore_rl.models.weights import copy_into_stage
@@ -243,10 +244,10 @@ def build_reward_model(config: JobConfig, device: torch.device) -> RewardModel:
                         f"({config.model.vocab_size}); the reward model must share the tokenizer")
     if problems:
         raise ConfigError(f"reward.model_path={path}: " + "; ".join(problems))
-    module = build_gpt_model(model, config.parallel, config.runtime.precision, "scalar", device,
-                             random_init=False)
+    module = build_gpt_model(model, config.parallel, config.runtime.precision, "scalar",
+                             runtime.device, random_init=False, place=runtime.training)
     with torch.no_grad():
-        copy_into_stage(module, scalar_shards_from_hf(hf, arch, model, megatron_coordinates()))
+        copy_into_stage(module, scalar_shards_from_hf(hf, arch, model, runtime.training))
     return RewardModel(module, config.actor.micro_batch_size)
 
 
@@ -293,7 +294,7 @@ def with_rank_order(config: JobConfig, ranks_per_node: int, world_size: int) -> 
         parallel, rank_order="-".join(order)))
 
 
-def build_engine_and_roles(config: JobConfig, device: torch.device, tokenizer=None
+def build_engine_and_roles(config: JobConfig, runtime: Runtime, tokenizer=None
                            ) -> tuple[RolloutEngine, WeightSync | None, Roles]:
     """The rollout engine, the weight sync that feeds it (None when it generates on the actor's
     own parameters) and the roles. vLLM starts first: it needs its share of the GPU
@@ -303,15 +304,15 @@ def build_engine_and_roles(config: JobConfig, device: torch.device, tokenizer=No
     length = config.sequence_length()
     if config.rollout.engine == "vllm":
         with STARTUP.phase("engine_start"):
-            training = megatron_training_layout(config.model, config.parallel.megatron_order())
+            training = megatron_training_layout(config.model, runtime.training)
             engine, weight_sync = build_vllm_engine(config, length,
                                                     weight_plan(config, training))
             engine.sleep()
         # vLLM seeds torch with its own per-instance seed: reseed, or randomly initialised
         # data-parallel replicas would start from different weights.
         seed_everything(config.runtime.seed)
-        return engine, weight_sync, build_roles(config, device, tokenizer)
-    roles = build_roles(config, device, tokenizer)
+        return engine, weight_sync, build_roles(config, runtime, tokenizer)
+    roles = build_roles(config, runtime, tokenizer)
     engine = MegatronEngine(roles.actor.module, config.model, length, seed=config.runtime.seed)
     return engine, None, roles
 

@@ -5,24 +5,23 @@ distillation: rl/job_rewards.py.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
-from mcore_rl.config import ConfigError, InitConfig, JobConfig, ParallelConfig
+from mcore_rl.config import ConfigError, InitConfig, JobConfig
 from mcore_rl.conversion.model_source import model_of_init
 from mcore_rl.data.tokenizer import tokenizer_folder, vocabulary_differences
 from mcore_rl.models import DTYPES
 from mcore_rl.models.pretrained import build_frozen_from_init
 from mcore_rl.roles import Teacher
-from mcore_rl.runtime import print0
+from mcore_rl.runtime import Runtime, print0
 from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.devices import device_memory_bytes
-from mcore_rl.runtime.layout import training_rank
-from mcore_rl.runtime.model_groups import build_model_groups
+from mcore_rl.runtime.layout import ParallelLayout
+from mcore_rl.runtime.model_rank import build_model_rank
 from mcore_rl.training.memory_plan import scoring_memory, training_memory
 
 
-def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher:
+def build_teacher(config: JobConfig, tokenizer, runtime: Runtime) -> Teacher:
     """The frozen teacher in its own layout (teacher.parallel), after checking on every rank,
     before anything is built, that it shares the student's tokenizer, fits that layout and
     fits the device's memory beside the student's training state."""
@@ -30,19 +29,15 @@ def build_teacher(config: JobConfig, tokenizer, device: torch.device) -> Teacher
         raise ValueError("a teacher needs the student's tokenizer to be checked against")
     settings = config.teacher
     model = model_of_init(settings.init, "teacher.init")
-    check_teacher(config, model, tokenizer, device_memory_bytes(device))
-    tp, pp = settings.layout(config.parallel.tensor_model_parallel_size,
-                             config.parallel.pipeline_model_parallel_size)
-    ep = settings.parallel.expert_model_parallel_size
-    groups = build_model_groups(tp, pp, config.runtime.collective_timeout_minutes, ep)
-    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              expert_model_parallel_size=ep,
-                              sequence_parallel=model.moe.enabled and tp > 1)
+    check_teacher(config, model, tokenizer, device_memory_bytes(runtime.device))
+    parallel = settings.parallel_config(config.parallel, model.moe.enabled)
+    place = build_model_rank(ParallelLayout.of(parallel, dist.get_world_size()),
+                             config.runtime.collective_timeout_minutes)
     module = build_frozen_from_init(settings.init, model, parallel, config.runtime.precision,
-                                    groups, device)
-    return Teacher(module, groups, model.vocab_size, _micro_batch_size(config),
+                                    place, runtime.device)
+    return Teacher(module, model.vocab_size, _micro_batch_size(config),
                    config.rollout.sampling.temperature, settings.offload,
-                   training_rank().dp_rank)
+                   runtime.training.dp_rank)
 
 
 def check_teacher(config: JobConfig, model, tokenizer, available: int) -> None:
@@ -51,11 +46,12 @@ def check_teacher(config: JobConfig, model, tokenizer, available: int) -> None:
     A problem one rank alone sees (its device's memory, a file it cannot read) must not leave
     the others waiting in the teacher's first collective."""
     settings = config.teacher
-    tp, pp = settings.layout(config.parallel.tensor_model_parallel_size,
-                             config.parallel.pipeline_model_parallel_size)
+    parallel = settings.parallel_config(config.parallel, model.moe.enabled)
     micro_batch_size = _micro_batch_size(config)
     problems = [f"the teacher's {problem}" for problem in
-                model.check(tp, pp, settings.parallel.expert_model_parallel_size)]
+                model.check(parallel.tensor_model_parallel_size,
+                            parallel.pipeline_model_parallel_size,
+                            parallel.expert_model_parallel_size)]
     problems += teacher_tokenizer_problems(settings.init, tokenizer)
     trainers = dist.get_world_size()  # the default group: the trainers, also in split placement
     problems += teacher_memory_problems(config, model, micro_batch_size, available, trainers)
@@ -93,8 +89,8 @@ def teacher_memory_problems(config: JobConfig, model, micro_batch_size: int,
     student's training state over `trainers` ranks (resident while the teacher scores),
     against the `available` bytes of one device; said on rank 0 either way."""
     parallel = config.parallel
-    tp, pp = config.teacher.layout(parallel.tensor_model_parallel_size,
-                                   parallel.pipeline_model_parallel_size)
+    teacher = config.teacher.parallel_config(parallel, model.moe.enabled)
+    tp, pp = teacher.tensor_model_parallel_size, teacher.pipeline_model_parallel_size
     weight_bytes = DTYPES[config.runtime.precision].itemsize
     need = scoring_memory(model, tp, pp, weight_bytes, micro_batch_size,
                           config.sequence_length())

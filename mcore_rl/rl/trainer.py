@@ -37,10 +37,9 @@ from mcore_rl.observability.step_metrics import (MetricsLogger, PhaseTimer, Sums
 from mcore_rl.observability.timeline import Timeline
 from mcore_rl.observability.trained_prompts import TrainedPromptsLog
 from mcore_rl.roles import Scorer
-from mcore_rl.runtime import initialize, print0, shutdown
+from mcore_rl.runtime import Runtime, initialize, print0, shutdown
 from mcore_rl.runtime.files import write_text_atomically
 from mcore_rl.runtime.launch_env import read_launch_env
-from mcore_rl.runtime.layout import training_group, training_rank
 from mcore_rl.runtime.preemption import PREEMPTED_EXIT_CODE, PreemptionFlag
 from mcore_rl.runtime.progress import progress
 from mcore_rl.training import checkpointer
@@ -120,19 +119,17 @@ class Trainer:
         refuse_earlier_run(config.runtime.output_dir, () if resumable else (METRICS_FILE,),
                            "holds an earlier run", " and no checkpoint to resume from (or "
                            "trainer.resume=false)")
-        here = training_rank()
-        self.dp_group = training_group("dp")
-        shard_group = training_group("shard")
+        here = self.runtime.training
+        self.dp_group = here.group("dp")
         with STARTUP.phase("data"):
             self.data = load_training_data(config, here.dp_rank, here.dp_size)
         if self.runtime.split is None:
             self.roles, self.scheduler = _colocated_rollouts(config, self.data, reward_fn,
-                                                              self.runtime, shard_group,
-                                                              self.dp_group)
+                                                              self.runtime)
         else:
-            self.roles = build_roles(config, self.runtime.device, self.data.tokenizer)
+            self.roles = build_roles(config, self.runtime, self.data.tokenizer)
             self.scheduler = RemoteRollouts(config, self.data, self.runtime.split,
-                                            self.roles.actor)
+                                            self.roles.actor, here)
         self.evaluator = RLEvaluator(config, self.data, self.scheduler.validation, self.roles,
                                      self.dp_group)
         algorithm = config.algorithm
@@ -300,7 +297,7 @@ class Trainer:
         out_dir = out_dir or os.path.join(self.config.runtime.output_dir, "hf",
                                           f"step_{self.step:08d}")
         export_actor_to_hf(self.config, self.roles.actor.parameters_for_sync(),
-                           self.data.tokenizer, out_dir)
+                           self.runtime.training, self.data.tokenizer, out_dir)
         if self.config.actor.lora.enabled:
             export_adapters(self.roles.actor.module, self.config, self.config.actor.lora,
                             os.path.join(out_dir, ADAPTER_DIR))
@@ -378,11 +375,12 @@ class Trainer:
                  "selection": self.selection.state_dict()}
         return checkpointer.save_training_state(
             self.checkpoint_dir, self.step, self._trained_models(), state, to_yaml(self.config),
-            self.config.trainer.keep_last, rank_state=self.scheduler.state_dict())
+            self.config.trainer.keep_last, rank_state=self.scheduler.state_dict(),
+            place=self.runtime.training)
 
     def _resume(self) -> None:
-        loaded = checkpointer.load_latest_training_state(self.checkpoint_dir,
-                                                         self._trained_models())
+        loaded = checkpointer.load_latest_training_state(
+            self.checkpoint_dir, self._trained_models(), place=self.runtime.training)
         if loaded is None:
             return
         self.step, state = loaded
@@ -412,13 +410,14 @@ class Trainer:
         shutdown()
 
 
-def _colocated_rollouts(config: JobConfig, data, reward_fn, runtime, shard_group, dp_group):
+def _colocated_rollouts(config: JobConfig, data, reward_fn, runtime: Runtime):
     """The roles and the rollout scheduler when every rank trains and generates: the engine on
     these ranks, the rule rewards on the first rank of each data shard's group (TP x CP x
     PP)."""
+    shard_group = runtime.training.group("shard")
     reward_start = start_rule_reward(config, data, reward_fn, is_scorer=dist.get_rank()
                                      == dist.get_process_group_ranks(shard_group)[0])
-    engine, weight_sync, roles = build_engine_and_roles(config, runtime.device, data.tokenizer)
+    engine, weight_sync, roles = build_engine_and_roles(config, runtime, data.tokenizer)
     rule_reward = reward_start.result()
     parkings = [HostParking(role.trainable) for role, role_config in
                 ((roles.actor, config.actor), (roles.critic, config.critic))
@@ -427,7 +426,8 @@ def _colocated_rollouts(config: JobConfig, data, reward_fn, runtime, shard_group
                                 PromptConfig(max_prompt_tokens=config.data.max_prompt_tokens),
                                 shard_group)
     scorer = Scorer(rule_reward, roles.reward_model, data.pad_id, shard_group)
-    return roles, RolloutScheduler(config, data, generator, scorer, dp_group,
+    return roles, RolloutScheduler(config, data, generator, scorer,
+                                   runtime.training.group("dp"),
                                    build_episode_runner(config, data))
 
 

@@ -1,7 +1,7 @@
 """The teacher: a frozen model, in its own layout, that scores the student's samples.
 
 The teacher may be larger than the student and split differently (its own TP and PP over the
-same ranks, runtime.model_groups). The ranks that hold one copy of the teacher together must
+same ranks: the `ModelRank` its stage carries, runtime/model_rank.py). The ranks that hold one copy of the teacher together must
 score the same rows, but they may hold different rows of the student's batch (different
 student data-parallel ranks). So the rows of the ranks of one teacher copy are pooled first,
 each student data-parallel shard once, scored together, and every rank keeps its own rows.
@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.runtime.devices import collective_device
-from mcore_rl.runtime.model_groups import ModelGroups
 from mcore_rl.runtime.regroup import gather_ints, gather_tensor_shares, one_share_per_key
+from mcore_rl.models.weights import model_rank_of
 from mcore_rl.training import compute_outputs
 
 from .actor import scoring_inputs
@@ -23,22 +23,22 @@ from .actor import scoring_inputs
 class Teacher:
     """A frozen Megatron LM in its own layout; optionally parked in host memory between uses."""
 
-    def __init__(self, module: torch.nn.Module, groups: ModelGroups, vocab_size: int,
-                 micro_batch_size: int, temperature: float, offload: bool,
-                 student_shard: int):
-        """module: this rank's stage of the teacher, built in `groups`; vocab_size: the
-        teacher's real vocabulary; temperature: the student's sampling temperature (both
+    def __init__(self, module: torch.nn.Module, vocab_size: int, micro_batch_size: int,
+                 temperature: float, offload: bool, student_shard: int):
+        """module: this rank's stage of the teacher, built in the teacher's layout; vocab_size:
+        the teacher's real vocabulary; temperature: the student's sampling temperature (both
         models' log-probs are of logits / temperature, so a teacher equal to the student is at
         KL 0); student_shard: this rank's data-parallel rank in the student's layout (which
         rows of the batch it holds). Collective over the teacher's model-parallel group: each
         rank learns the student shards of the others once."""
         self.module = module
-        self.groups = groups
+        self.place = model_rank_of(module)
+        """This rank in the teacher's layout."""
         self.vocab_size = vocab_size
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature if temperature > 0 else 1.0
         self.student_shard = student_shard
-        self.group_shards = gather_ints(student_shard, groups.model_parallel)
+        self.group_shards = gather_ints(student_shard, self.place.group("mp"))
         """The student shard of each rank holding this copy of the teacher."""
         self.device = next(module.parameters()).device
         self.offload = offload and self.device.type != "cpu"
@@ -50,14 +50,13 @@ class Teacher:
         every rank: each teacher copy scores the rows of its ranks)."""
         inputs = scoring_inputs(batch)
         pooled, rows = pool_rows(inputs, self.student_shard, self.group_shards,
-                                 self.groups.model_parallel)
+                                 self.place.group("mp"))
         if self.offload:
             self.module.to(self.device)
         scored = whole_micro_batches(pooled, self.micro_batch_size, self._expert_group_rows(
             pooled["input_ids"].shape[0]))
         logprobs = compute_outputs([self.module], scored, self.micro_batch_size, "lm",
-                                   self.vocab_size, self.temperature,
-                                   groups=self.groups)["logprobs"]
+                                   self.vocab_size, self.temperature)["logprobs"]
         if self.offload:
             self.module.to("cpu")
         return logprobs[rows, :inputs["input_ids"].shape[1]]
@@ -67,10 +66,11 @@ class Teacher:
         """The most rows any rank of this rank's expert group scores: with experts split
         (a Mixture-of-Experts teacher at EP > 1) every forward exchanges tokens among the
         group, so its ranks must run equally many micro-batches."""
-        if self.groups.ep_size == 1:
+        if self.place.ep_size == 1:
             return rows
-        most = torch.tensor([rows], device=collective_device(self.groups.collection.ep))
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.groups.collection.ep)
+        group = self.place.group("ep")
+        most = torch.tensor([rows], device=collective_device(group))
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
         return int(most.item())
 
 

@@ -27,8 +27,7 @@ import torch.distributed as dist
 
 from mcore_rl.config.model import ModelConfig
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
-from mcore_rl.models.weights import local_parameters
-from mcore_rl.runtime.layout import training_group, training_rank
+from mcore_rl.models.weights import local_parameters, model_rank_of
 from mcore_rl.runtime.progress import progress
 
 from .engine import Completion, EngineError, Generation, RolloutEngine
@@ -37,7 +36,8 @@ from .token_sampling import sample_next
 
 
 class MegatronEngine(RolloutEngine):
-    """Rollouts from a Megatron GPTModel stage in the current Megatron parallel state."""
+    """Rollouts from a Megatron GPTModel stage, over the process groups of the layout it was
+    built in (the place it carries)."""
 
     def __init__(self, module: torch.nn.Module, model: ModelConfig, context_length: int,
                  stop_token_ids: Sequence[int] = (), own_weights: bool = False,
@@ -61,10 +61,10 @@ class MegatronEngine(RolloutEngine):
         self.weight_layout = "megatron" if own_weights else None
         self.device = next(module.parameters()).device
         self.params_dtype = next(module.parameters()).dtype
-        here = training_rank()
-        self._group = self.instance_group = training_group("mp")
+        here = model_rank_of(module)
+        self._group = self.instance_group = here.group("mp")
         self.shard_key = here.dp_rank
-        self._pp_group = training_group("pp")
+        self._pp_group = here.group("pp")
         self._pp_last_rank = here.last_stage_rank
         self._padded_vocab = model.padded_vocab_size(here.tp_size)
         self._dp_rank = here.dp_rank

@@ -18,7 +18,6 @@ from typing import Sequence
 import torch.distributed as dist
 
 from mcore_rl.config.rollout import PromptConfig, SamplingConfig
-from mcore_rl.runtime.layout import training_groups_initialized, training_rank
 from mcore_rl.runtime.regroup import gather_shares, one_share_per_key
 
 from .prompts import PromptError, check_request, prepare_prompts
@@ -89,8 +88,8 @@ def _origins(shard_key: int, first_position: int, count: int) -> list[tuple[int,
 
 
 def default_shard_key() -> int:
-    """The rank's data shard: its Megatron data-parallel rank when a trainer set up parallel
-    state, else its global rank."""
-    if training_groups_initialized():
-        return training_rank().dp_rank
+    """INTERIM (replaced by RolloutLayout.prompt_shard_key in the merge)."""
+    from megatron.core import parallel_state as ps
+    if ps.model_parallel_is_initialized():
+        return ps.get_data_parallel_rank()
     return dist.get_rank()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -20,9 +20,11 @@ import torch.distributed as dist
 from ..config import JobConfig, validate
 from .devices import cuda_device_index
 from .launch_env import LaunchEnv, read_launch_env
-from .layout import ParallelLayout, destroy_training_groups, initialize_training_groups
+from .layout import ParallelLayout
 from .log import forget_job_rank, quiet_known_warnings, send_library_logs_to_file
+from .model_rank import ModelRank
 from .process_guard import guard_this_rank, reclaim_stale_files
+from .training_groups import destroy_training_groups, initialize_training_groups
 from .worlds import SplitWorld, start_split_worlds
 
 
@@ -42,6 +44,10 @@ class Runtime:
     split: SplitWorld | None = None
     """Split placement: this rank's side, its side's world and the bridge between the sides
     (None when colocated: `launch` is then this rank's only world)."""
+
+    training: ModelRank | None = None
+    """This rank in the trained models' layout (actor, critic, reference), with their groups;
+    None on split placement's rollout ranks and in jobs without Megatron models."""
 
     @property
     def side(self) -> str:
@@ -84,9 +90,10 @@ def initialize(config: JobConfig, launch: LaunchEnv | None = None) -> Runtime:
     if runtime.side == "rollout":  # no Megatron model here: the engine is vLLM
         seed_host_generators(config.runtime.seed)
         return runtime
-    _initialize_megatron(config)
+    layout = ParallelLayout.of(config.parallel, dist.get_world_size())
+    training = initialize_training_groups(layout, config.runtime.collective_timeout_minutes)
     seed_everything(config.runtime.seed)
-    return runtime
+    return replace(runtime, training=training)
 
 
 def start_process_group(backend: str = "auto", timeout_minutes: float = 10.0,
@@ -153,11 +160,6 @@ def _export_launch_variables(launch: LaunchEnv) -> None:
                         ("LOCAL_RANK", launch.local_rank), ("MASTER_ADDR", launch.master_addr),
                         ("MASTER_PORT", launch.master_port)):
         os.environ.setdefault(name, str(value))
-
-
-def _initialize_megatron(config: JobConfig) -> None:
-    layout = ParallelLayout.of(config.parallel, dist.get_world_size())
-    initialize_training_groups(layout, config.runtime.collective_timeout_minutes)
 
 
 def seed_everything(seed: int) -> None:

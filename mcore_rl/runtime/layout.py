@@ -12,10 +12,9 @@ expert coordinates exactly as Megatron's ``RankGenerator`` does. This is the one
 computed: `ParallelLayout` is pure (no torch.distributed, no Megatron), so the planner and the
 converters use it without a live world and tests compare it with Megatron's own rank groups.
 
-The trained models (actor, critic, reference) live in Megatron's global parallel state, which
-is created, read and torn down only here (`initialize_training_groups`, `training_rank`,
-`training_group`); a second model in its own layout (a teacher) has its groups in
-runtime/model_groups.py.
+A rank's place in a layout with its process groups is a `ModelRank` (runtime/model_rank.py);
+the trained models' groups are Megatron's global state, created and read back once in
+runtime/training_groups.py.
 """
 
 from __future__ import annotations
@@ -92,6 +91,14 @@ class ParallelLayout:
         return RankPosition(dense["tp"], dense["pp"], dense["dp"], dense["cp"], expert["ep"],
                             expert["tp"], expert["dp"])
 
+    def replica_rank(self, position: RankPosition) -> int:
+        """Which copy of the dense weights ``position`` holds: its rank among the data x context
+        parallel ranks, numbered as Megatron's DP x CP group (the faster of the two first)."""
+        names = self.order.split("-")
+        if "cp" in names and "dp" in names and names.index("dp") < names.index("cp"):
+            return position.cp_rank * self.dp + position.dp_rank
+        return position.dp_rank * self.cp + position.cp_rank
+
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int, cp_rank: int = 0) -> int:
         """The rank at these dense-grid coordinates (inverse of `position`'s dense part)."""
         return _rank_at(self.order, self._dense_sizes(),
@@ -129,134 +136,3 @@ def _coordinates(rank: int, order: str, sizes: dict[str, int]) -> dict[str, int]
     for name in names:
         rank, found[name] = divmod(rank, sizes[name])
     return found
-
-
-# --------------------------------------------------------------------------------------------
-# The trained models' layout on this rank: Megatron's global parallel state, read only here
-# --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TrainingRank:
-    """This rank's place in the layout of the trained models (actor, critic, reference), which
-    Megatron keeps as global state: sizes, coordinates and its pipeline's last rank."""
-
-    tp_size: int
-    tp_rank: int
-    pp_size: int
-    pp_rank: int
-    dp_size: int
-    dp_rank: int
-    """Which data shard (rows of a batch) the rank trains on; CP peers share it."""
-
-    cp_size: int
-    cp_rank: int
-    """Which two chunks of each sequence the rank holds (models/context_parallel.py)."""
-
-    replica_rank: int
-    """Which copy of the model's weights the rank holds (data x context parallel rank)."""
-
-    ep_size: int
-    ep_rank: int
-    etp_size: int
-    etp_rank: int
-    edp_rank: int
-    """Which copy of its expert shards the rank holds (Megatron's expert data-parallel rank)."""
-
-    last_stage_rank: int
-    """Global rank of the last stage of this rank's pipeline."""
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-
-def training_rank() -> TrainingRank:
-    """This rank's `TrainingRank`, read from Megatron's parallel state (initialised)."""
-    from megatron.core import parallel_state as ps
-
-    return TrainingRank(
-        ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-        ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
-        ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-        ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
-        ps.get_data_parallel_rank(with_context_parallel=True),
-        ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
-        ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
-        ps.get_expert_data_parallel_rank(), ps.get_pipeline_model_parallel_last_rank())
-
-
-_GROUP_GETTERS = {"tp": "get_tensor_model_parallel_group",
-                  "pp": "get_pipeline_model_parallel_group",
-                  "dp": "get_data_parallel_group",
-                  "cp": "get_context_parallel_group",
-                  "mp": "get_model_parallel_group",
-                  "ep": "get_expert_model_parallel_group",
-                  "edp": "get_expert_data_parallel_group"}
-"""Process groups of the trained models' layout by short name: tensor, pipeline, data, context,
-model (TP x PP), expert and expert-data parallel; and "shard": the ranks that train on one data
-shard (TP x CP x PP; Megatron's model-parallel group when CP is 1)."""
-
-_shard_group = None
-"""The "shard" group when CP > 1 (Megatron has none spanning TP x CP x PP)."""
-
-
-def training_group(name: str):
-    """The trained models' process group ``name`` (one of `_GROUP_GETTERS`, or "shard") on
-    this rank."""
-    from megatron.core import parallel_state as ps
-
-    if name == "shard":
-        return _shard_group if _shard_group is not None else ps.get_model_parallel_group()
-    return getattr(ps, _GROUP_GETTERS[name])()
-
-
-def training_groups_initialized() -> bool:
-    """Whether Megatron's parallel state (the trained models' groups) exists in this process."""
-    from megatron.core import parallel_state as ps
-
-    return ps.model_parallel_is_initialized()
-
-
-def initialize_training_groups(layout: ParallelLayout, timeout_minutes: float) -> None:
-    """Create the trained models' groups as Megatron's parallel state (collective)."""
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp,
-        distributed_timeout_minutes=timeout_minutes, order=layout.order)
-    global _shard_group
-    if layout.cp > 1:
-        _shard_group = _new_shard_group(layout, ps.get_data_parallel_rank(), timeout_minutes)
-
-
-def _new_shard_group(layout: ParallelLayout, dp_rank: int, timeout_minutes: float):
-    """The group of the ranks that train on data shard `dp_rank` (collective: every rank
-    creates every shard's group, in the same order)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    mine = None
-    for shard in range(layout.dp):
-        ranks = sorted(layout.rank_of(tp, pp, shard, cp) for tp in range(layout.tp)
-                       for pp in range(layout.pp) for cp in range(layout.cp))
-        group = dist.new_group(ranks, timeout=datetime.timedelta(minutes=timeout_minutes))
-        if shard == dp_rank:
-            mine = group
-    return mine
-
-
-def destroy_training_groups() -> None:
-    """Tear down Megatron's parallel state when it exists."""
-    from megatron.core import parallel_state as ps
-
-    global _shard_group
-    _shard_group = None
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()

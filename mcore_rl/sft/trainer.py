@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from mcore_rl.checkpoint.weights_io import megatron_coordinates, save_weights
+from mcore_rl.checkpoint.weights_io import save_weights
 from mcore_rl.config import ConfigError, JobConfig
 from mcore_rl.conversion.export import hf_metadata, tokenizer_files
 from mcore_rl.conversion.peft_adapter import ADAPTER_DIR
@@ -28,6 +28,7 @@ from mcore_rl.models.lora import served_parameters
 from mcore_rl.observability import METRICS_FILE
 from mcore_rl.observability.step_metrics import MetricsLogger
 from mcore_rl.runtime import print0
+from mcore_rl.runtime.model_rank import ModelRank
 from mcore_rl.training import compute_outputs, make_trainable, train_step
 from mcore_rl.training.adapter_export import export_adapters
 from mcore_rl.training.dataset_job import data_parallel_sums, run_epochs, start_dataset_job
@@ -54,11 +55,13 @@ def run_sft(config: JobConfig) -> str:
                           f"{len(train.token_ids)} training examples")
     precision = config.runtime.precision
     module = build_from_init(config.init, config.model, config.parallel, precision, "lm",
-                             job.runtime.device, config.sft.lora, config.runtime.seed)
+                             job.runtime.device, config.sft.lora, config.runtime.seed,
+                             place=job.place)
     trainable = make_trainable(module, config.sft.optimizer, precision)
-    steps = _train(config, trainable, train, validation, job.logger, pad_id(tokenizer))
+    steps = _train(config, job.place, trainable, train, validation, job.logger,
+                   pad_id(tokenizer))
     model_dir = os.path.join(config.runtime.output_dir, MODEL_DIR)
-    save_weights(model_dir, served_parameters(module), config.model, megatron_coordinates(),
+    save_weights(model_dir, served_parameters(module), config.model, job.place,
                  extra_metadata=hf_metadata(config), tokenizer_files=tokenizer_files(tokenizer))
     if config.sft.lora.enabled:
         export_adapters(module, config, config.sft.lora,
@@ -68,7 +71,7 @@ def run_sft(config: JobConfig) -> str:
     return model_dir
 
 
-def _train(config: JobConfig, trainable, train: EncodedDemonstrations,
+def _train(config: JobConfig, here: ModelRank, trainable, train: EncodedDemonstrations,
            validation: EncodedDemonstrations, logger: MetricsLogger, pad_id: int) -> int:
     """The epochs of optimizer steps, logging each and the held-out loss when due; returns the
     number of steps."""
@@ -81,10 +84,10 @@ def _train(config: JobConfig, trainable, train: EncodedDemonstrations,
                  "sft/lr": metrics["lr"]}, sum(len(train.token_ids[row]) for row in step_rows))
 
     def evaluate() -> dict:
-        return {"sft/val_loss": validation_loss(trainable.chunks, validation,
+        return {"sft/val_loss": validation_loss(here, trainable.chunks, validation,
                                                 sft.micro_batch_size, vocab_size, pad_id)}
 
-    return run_epochs(sft, len(train.token_ids), logger, "sft", train_on,
+    return run_epochs(here, sft, len(train.token_ids), logger, "sft", train_on,
                       evaluate if validation.token_ids else None)
 
 
@@ -98,8 +101,8 @@ def _load(config: JobConfig, paths: list[str], tokenizer, split: str) -> Encoded
 
 
 @torch.no_grad()
-def validation_loss(chunks: list, examples: EncodedDemonstrations, micro_batch_size: int,
-                    vocab_size: int, pad_id: int) -> float:
+def validation_loss(here: ModelRank, chunks: list, examples: EncodedDemonstrations,
+                    micro_batch_size: int, vocab_size: int, pad_id: int) -> float:
     """Token-mean negative log-likelihood of the responses, over all data-parallel ranks."""
     def sums_of(rows: list[int]) -> torch.Tensor:
         batch = make_batch(examples, rows, pad_id)
@@ -107,5 +110,5 @@ def validation_loss(chunks: list, examples: EncodedDemonstrations, micro_batch_s
         mask = batch["loss_mask"].double()
         return torch.stack([-(logprobs.double() * mask).sum(), mask.sum()])
 
-    totals = data_parallel_sums(len(examples.token_ids), micro_batch_size, 2, sums_of)
+    totals = data_parallel_sums(here, len(examples.token_ids), micro_batch_size, 2, sums_of)
     return (totals[0] / totals[1].clamp(min=1)).item()

@@ -14,6 +14,7 @@ from mcore_rl.config import JobConfig
 from mcore_rl.config.lora import LoraConfig
 from mcore_rl.conversion.export import hf_architecture
 from mcore_rl.conversion.peft_adapter import write_peft_adapter
+from mcore_rl.models.weights import model_rank_of
 from mcore_rl.models.lora import adapter_tensors, gather_full_adapters
 
 
@@ -21,7 +22,8 @@ def export_adapters(module: torch.nn.Module, config: JobConfig, lora: LoraConfig
                     out_dir: str) -> str:
     """Collective: gather the stage's adapters and write them as a peft adapter in `out_dir`
     (rank 0 writes; every rank returns after it is complete)."""
-    full = gather_full_adapters(adapter_tensors(module), config.model)
+    full = gather_full_adapters(adapter_tensors(module), config.model,
+                                model_rank_of(module))
     if dist.get_rank() == 0:
         write_peft_adapter(out_dir, full, config.model, lora, hf_architecture(config),
                            config.init.hf_path)

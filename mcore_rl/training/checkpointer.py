@@ -55,7 +55,7 @@ import torch.distributed as dist
 from mcore_rl.checkpoint.common_state import write_common_state_file
 from mcore_rl.models.heads import ScalarHead
 from mcore_rl.runtime.faults import kill_point
-from mcore_rl.runtime.layout import training_rank
+from mcore_rl.runtime.model_rank import ModelRank
 from mcore_rl.runtime.process_guard import helper_processes_guarded
 from .optimizer import inner_optimizers
 
@@ -113,11 +113,10 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _layout() -> dict:
+def _layout(here: ModelRank) -> dict:
     """The layout a resume must match: world size, TP, PP and, when experts are split, EP, and
     ETP when it is not TP, CP when above 1 (DP follows; dense checkpoints keep the three keys
     they always had)."""
-    here = training_rank()
     layout = {"world_size": _world_size(), "tensor_model_parallel_size": here.tp_size,
               "pipeline_model_parallel_size": here.pp_size}
     if here.ep_size > 1:
@@ -375,10 +374,12 @@ def _agree_on_call(step: int, roles: list[str], keep_last: int, models: dict) ->
 
 
 def save_training_state(root: str, step: int, models: dict[str, TrainableModel], state: dict,
-                        config_yaml: str, keep_last: int, rank_state: dict | None = None) -> str:
+                        config_yaml: str, keep_last: int, rank_state: dict | None = None, *,
+                        place: ModelRank) -> str:
     """Collective: write the checkpoint of `step` under `root` and return its path.
 
-    `models` maps role names ("actor", "critic") to TrainableModels; `state` is the trainer's
+    `models` maps role names ("actor", "critic") to TrainableModels laid out at `place` (this
+    rank in the trained models' layout, which a resume must match); `state` is the trainer's
     state, plain data (numbers, strings, lists, dicts, tensors: read back weights-only),
     identical on every rank (rank 0's copy is written); `rank_state` is this
     rank's own picklable state (saved per rank). Each rank's RNG states
@@ -414,7 +415,7 @@ def save_training_state(root: str, step: int, models: dict[str, TrainableModel],
         for role in roles:
             write_common_state_file(os.path.join(staging, role))
         marker = {"format_version": FORMAT_VERSION, "step": step, "roles": roles,
-                  "optimizer_state": with_optimizer, "layout": _layout()}
+                  "optimizer_state": with_optimizer, "layout": _layout(place)}
         if _bases(models):
             marker["bases"] = _bases(models)
         _publish(staging, final, marker)
@@ -498,10 +499,10 @@ def _agreed_latest(root: str) -> str | None:
     return choice[0]
 
 
-def load_latest_training_state(root: str, models: dict[str, TrainableModel]
-                               ) -> tuple[int, dict] | None:
+def load_latest_training_state(root: str, models: dict[str, TrainableModel], *,
+                               place: ModelRank) -> tuple[int, dict] | None:
     """Collective: load the newest complete checkpoint under `root` into `models` (freshly
-    built, same roles and layout as when saved), restore this rank's RNG states and return
+    built at `place`, same roles and layout as when saved), restore this rank's RNG states and return
     (step, trainer state with this rank's saved `rank_state` under "rank_state"); None when
     `root` holds no complete checkpoint. The RNG states are
     restored last, so call it after everything that seeds or draws at start-up (initialize,
@@ -509,7 +510,7 @@ def load_latest_training_state(root: str, models: dict[str, TrainableModel]
     path = _agreed_latest(os.path.abspath(root))
     if path is None:
         return None
-    marker, layout = read_marker(path), _layout()
+    marker, layout = read_marker(path), _layout(place)
     # Not weights_only: this rank's file holds numpy's RNG state (an ndarray) and its
     # `rank_state`, a rollout generated ahead (rollout.async_rollout: our dataclasses around the
     # dataset's rows, whatever types those hold), which the weights-only unpickler refuses.

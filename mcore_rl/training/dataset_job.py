@@ -3,7 +3,8 @@ and the run folder, visit the examples epoch by epoch in a seeded, DP-sharded or
 when due, and sum held-out statistics over the data-parallel ranks.
 
     job   = start_dataset_job(config, "rm", "reward-model", markers)     (collective)
-    steps = run_epochs(config.rm, num_examples, job.logger, train_on, evaluate)
+    steps = run_epochs(job.place, config.rm, num_examples, job.logger, "rm", train_on,
+                       evaluate)
     ...save the model...; job.close()
 """
 
@@ -27,7 +28,7 @@ from mcore_rl.observability.step_metrics import MetricsLogger
 from mcore_rl.runtime import initialize, read_launch_env, shutdown
 from mcore_rl.runtime.devices import collective_device
 from mcore_rl.runtime.files import write_text_atomically
-from mcore_rl.runtime.layout import training_group, training_rank
+from mcore_rl.runtime.model_rank import ModelRank
 from mcore_rl.runtime.progress import progress
 
 StepFn = Callable[[list[int], list[int]], tuple[dict, int]]
@@ -42,6 +43,11 @@ class DatasetJob:
     runtime: object
     tokenizer: object
     logger: MetricsLogger
+
+    @property
+    def place(self) -> ModelRank:
+        """This rank in the trained model's layout."""
+        return self.runtime.training
 
     def close(self) -> None:
         """Flush the logs and tear the world down (collective)."""
@@ -67,12 +73,12 @@ def start_dataset_job(config: JobConfig, section: str, what: str, markers: tuple
     return DatasetJob(config, runtime, tokenizer, logger)
 
 
-def run_epochs(section_config, num_examples: int, logger: MetricsLogger, section: str,
-               train_on: StepFn, evaluate: Optional[Callable[[], dict]]) -> int:
+def run_epochs(here: ModelRank, section_config, num_examples: int, logger: MetricsLogger,
+               section: str, train_on: StepFn, evaluate: Optional[Callable[[], dict]]) -> int:
     """section_config.epochs passes of whole batches of section_config.batch_size examples,
-    logging each step, and `evaluate()` (None: no held-out data) every eval_every steps, or
-    after each epoch, and after the last step. Returns the number of steps."""
-    here = training_rank()
+    each split over the data-parallel ranks of `here`, logging each step, and `evaluate()`
+    (None: no held-out data) every eval_every steps, or after each epoch, and after the last
+    step. Returns the number of steps."""
     dp_rank, dp_size = here.dp_rank, here.dp_size
     batch_size = section_config.batch_size
     steps_per_epoch = num_examples // batch_size
@@ -100,16 +106,15 @@ def run_epochs(section_config, num_examples: int, logger: MetricsLogger, section
     return step
 
 
-def data_parallel_sums(count: int, micro_batch_size: int, width: int,
+def data_parallel_sums(here: ModelRank, count: int, micro_batch_size: int, width: int,
                        sums_of: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
     """Sum over micro-batches and data-parallel ranks of `sums_of(indices)` (a vector of
     `width` numbers), each DP rank taking every dp_size-th of the `count` examples
     (collective). Every rank runs the same number of micro-batches (a Mixture-of-Experts
     layer with experts split over ranks exchanges tokens in each forward pass): a rank out of
     examples scores its first ones again and adds nothing."""
-    here = training_rank()
     dp_rank, dp_size = here.dp_rank, here.dp_size
-    group = training_group("dp")
+    group = here.group("dp")
     device = collective_device(group)
     rows = list(range(dp_rank, count, dp_size))
     totals = torch.zeros(width, dtype=torch.float64, device=device)

@@ -39,10 +39,10 @@ import torch.distributed as dist
 from ..models.context_parallel import gather_per_token, split_for_rank
 from ..models.logprobs import vocab_parallel_logprobs_and_entropy
 from ..models.moe_routing import NO_ROUTE, RoutingPass
+from ..models.weights import model_rank_of
 from ..runtime.devices import collective_device, module_device, to_device
-from ..runtime.layout import training_group, training_rank
 from ..runtime.log import print0
-from ..runtime.model_groups import ModelGroups
+from ..runtime.model_rank import ModelRank
 from .batches import (Batch, PackedRows, align_to_tokens, check_batch,
                       pad_columns_to_multiple, packed_micro_batches, split_micro_batches,
                       token_budget_micro_batches)
@@ -236,7 +236,8 @@ def _micro_batches(chunks: list, batch: Batch, micro_batch_size: int, max_tokens
     micro_batches = [pad_columns_to_multiple(micro_batch, length_multiple,
                                              {"routed_experts": NO_ROUTE})
                      for micro_batch in micro_batches]
-    fillers = _expert_group_fillers(micro_batches, length_multiple) if max_tokens > 0 else []
+    fillers = (_expert_group_fillers(micro_batches, length_multiple, model_rank_of(chunks[0]))
+               if max_tokens > 0 else [])
     return micro_batches + fillers, order, len(micro_batches)
 
 
@@ -292,16 +293,17 @@ def _length_multiple(config) -> int:
                                         if config.sequence_parallel else 1)
 
 
-def _expert_group_fillers(micro_batches: list[Batch], length: int) -> list[Batch]:
+def _expert_group_fillers(micro_batches: list[Batch], length: int, here: ModelRank
+                          ) -> list[Batch]:
     """With experts split over ranks every forward exchanges tokens among the expert group, so
     its ranks must run equally many; a token budget gives each as many micro-batches as its
     rows' lengths need. The ranks with fewer run fillers up to the group's most: one row of
     `length` tokens copied from a real one (valid tokens and routes), every mask zeroed, so no
     loss, gradient or metric sees it. Their outputs are dropped (`_micro_batches`)."""
-    if training_rank().ep_size == 1:
+    if here.ep_size == 1:
         return []
     count = torch.tensor([len(micro_batches)], device=collective_device())
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=training_group("ep"))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=here.group("ep"))
     missing = int(count.item()) - len(micro_batches)  # one host read per pass
     if missing == 0:
         return []
@@ -314,43 +316,36 @@ def _expert_group_fillers(micro_batches: list[Batch], length: int) -> list[Batch
 
 @dataclass
 class _Pipeline:
-    """Where a model's passes run: Megatron's parallel state, or a second model's own groups
-    (runtime.model_groups), resolved once per pass."""
+    """Where a model's passes run: over the groups of the layout the model stage carries,
+    resolved once per pass."""
 
     schedule: Callable
-    """Megatron's forward-backward function (with the model's own groups bound, if any)."""
+    """Megatron's forward-backward function, with the model's groups bound."""
+
+    here: ModelRank
+    """This rank in the model's layout."""
 
     tp_group: object
     pp_group: object
     cp_group: object
     """The context-parallel group, None at CP 1."""
 
-    last_stage_rank: int
-    """The global rank of the pipeline's last stage, which computes the outputs."""
 
-    is_last_stage: bool
-
-
-def _pipeline(model, groups: ModelGroups | None) -> _Pipeline:
-    """The pipeline of `model`: in Megatron's parallel state, or with `groups` the schedule
-    over its own groups (its P2P communicator and its groups go with every call)."""
+def _pipeline(model) -> _Pipeline:
+    """The pipeline of `model`: the schedule over the groups of the layout the stage carries
+    (its P2P communicator and its groups go with every call; for the trained models these are
+    Megatron's global groups, which the schedule would otherwise read itself)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    if groups is None:
-        here = training_rank()
-        return _Pipeline(get_forward_backward_func(), training_group("tp"),
-                         training_group("pp"),
-                         training_group("cp") if here.cp_size > 1 else None,
-                         here.last_stage_rank, here.is_last_stage)
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.utils import get_model_config
 
-    own = {"pg_collection": groups.collection}
-    if groups.pp_size > 1:
-        own["p2p_communicator"] = P2PCommunicator(groups.collection.pp, get_model_config(model))
-    return _Pipeline(partial(get_forward_backward_func(pp_size=groups.pp_size), **own),
-                     groups.collection.tp, groups.collection.pp, None, groups.last_stage_rank,
-                     groups.is_last_stage)
+    here = model_rank_of(model)
+    own = {"pg_collection": here.groups}
+    if here.pp_size > 1:
+        own["p2p_communicator"] = P2PCommunicator(here.group("pp"), get_model_config(model))
+    return _Pipeline(partial(get_forward_backward_func(pp_size=here.pp_size), **own), here,
+                     here.group("tp"), here.group("pp"),
+                     here.group("cp") if here.cp_size > 1 else None)
 
 
 def _run_schedule(chunks: list, micro_batches: list[Batch], head: str, vocab_size: int,
@@ -381,27 +376,26 @@ def _broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device,
         return tensor
     if tensor is None:
         tensor = torch.empty(shape, dtype=torch.float32, device=device)
-    dist.broadcast(tensor, src=pipeline.last_stage_rank, group=pipeline.pp_group)
+    dist.broadcast(tensor, src=pipeline.here.last_stage_rank, group=pipeline.pp_group)
     return tensor
 
 
 @torch.no_grad()
 def compute_outputs(chunks: list, batch: Batch, micro_batch_size: int, head: str = "lm",
                     vocab_size: int | None = None, temperature: float = 1.0,
-                    max_tokens: int = 0, routing: RoutingPass | None = None,
-                    groups: ModelGroups | None = None) -> dict:
+                    max_tokens: int = 0, routing: RoutingPass | None = None) -> dict:
     """Forward-only per-token outputs for this rank's rows of `batch` (all PP stages get them).
     head="lm" gives {'logprobs', 'entropy'} (of logits / temperature); head="scalar" gives
     {'values'}; each [n, s] fp32. max_tokens > 0: token-budget micro-batches instead of
     `micro_batch_size` rows. routing: what an MoE model's routers do in this pass (with
-    keep_routes, the routes are kept by batch row); groups: a second model's own layout
-    (runtime.model_groups) instead of Megatron's parallel state."""
+    keep_routes, the routes are kept by batch row). The passes run over the groups of the
+    layout the model carries (its own, for a teacher)."""
     for chunk in chunks:
         chunk.eval()
     if routing is not None and routing.keep_routes:
         batch = dict(batch, row_ids=torch.arange(batch["input_ids"].shape[0]))
     micro_batches, order, real = _micro_batches(chunks, batch, micro_batch_size, max_tokens)
-    pipeline = _pipeline(chunks[0], groups)
+    pipeline = _pipeline(chunks[0])
     per_micro_batch = _run_schedule(chunks, micro_batches, head, vocab_size, temperature, None,
                                     True, pipeline, routing)[:real]
     names = ("values",) if head == "scalar" else ("logprobs", "entropy")
@@ -416,7 +410,7 @@ def _per_row(per_micro_batch: list[dict], names: tuple[str, ...], order: torch.T
     results = {}
     for name in names:
         local = _in_batch_order([out[name] for out in per_micro_batch], order, shape) \
-            if pipeline.is_last_stage else None
+            if pipeline.here.is_last_stage else None
         broadcast = _broadcast_from_last_stage(local, shape, device, pipeline)
         results[name] = broadcast.to(batch["input_ids"].device)
     return results
@@ -453,7 +447,7 @@ def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_
     model.optimizer.zero_grad()
     micro_batches, order, real = _micro_batches(model.chunks, batch, micro_batch_size,
                                                 max_tokens)
-    pipeline = _pipeline(model.chunks[0], None)
+    pipeline = _pipeline(model.chunks[0])
     per_micro_batch = _run_schedule(model.chunks, micro_batches, head, vocab_size, temperature,
                                     loss_fn, False, pipeline, routing)[:real]
     rows = _per_row(per_micro_batch, per_token, order, batch, module_device(model.chunks[0]),
@@ -461,7 +455,7 @@ def train_step(model: TrainableModel, batch: Batch, micro_batch_size: int, loss_
     for metrics in per_micro_batch:
         for name in per_token:
             del metrics[name]
-    metrics = _reduce_metrics(per_micro_batch)
+    metrics = _reduce_metrics(per_micro_batch, pipeline.here)
     finite = math.isfinite(metrics["loss"]) and _gradients_finite(model.chunks)
     updated, grad_norm = False, float("nan")
     if finite:
@@ -488,15 +482,14 @@ def _gradients_finite(chunks: list) -> bool:
     return not bool(bad.item())
 
 
-def _reduce_metrics(per_micro_batch: list[dict]) -> dict:
+def _reduce_metrics(per_micro_batch: list[dict], here: ModelRank) -> dict:
     """Global loss and mean loss-function metrics, computed on the last stage over the DP group
     and sent to the other stages."""
-    here = training_rank()
     reduced = None
     if here.is_last_stage:
         names = sorted(name for name in per_micro_batch[0]
                        if name not in ("loss_numerator", "loss_denominator"))
-        group = training_group("dp")
+        group = here.group("dp")
         device = collective_device(group)
         totals = torch.zeros(3 + len(names), dtype=torch.float64, device=device)
         for metrics in per_micro_batch:
@@ -511,6 +504,6 @@ def _reduce_metrics(per_micro_batch: list[dict]) -> dict:
                         for index, name in enumerate(names)})
     if here.pp_size > 1:
         holder = [reduced]
-        dist.broadcast_object_list(holder, src=here.last_stage_rank, group=training_group("pp"))
+        dist.broadcast_object_list(holder, src=here.last_stage_rank, group=here.group("pp"))
         reduced = holder[0]
     return reduced
