@@ -31,7 +31,8 @@ from .errors import describe_exception
 from .kernel import describe_status
 from .limits import BASIC_ENVIRONMENT, SandboxLimits
 from .user_code import code_folders, pack_main_objects
-from .zygote import ZYGOTE_BOOT, out_of_reach_note
+from .zygote import ZYGOTE_BOOT
+from .zygote_confinement import out_of_reach_note
 
 
 logger = logging.getLogger("mcore_rl.sandbox")
