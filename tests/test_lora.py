@@ -17,9 +17,9 @@ from layout_worker import reference_batch
 from lora_worker import run_lora_parity
 from mcore_rl.config import ModelConfig
 from mcore_rl.config.lora import LoraConfig
-from mcore_rl.runtime.model_rank import ModelRank
-from mcore_rl.conversion.architectures.llama_family import fuse_qkv
+from mcore_rl.conversion.architectures.hf_tensors import fuse_qkv
 from mcore_rl.conversion.hf_to_mcore import model_config_of_hf
+from mcore_rl.runtime.model_rank import ModelRank
 from world import run_world
 
 TOLERANCE = 1e-5

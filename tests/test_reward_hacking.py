@@ -7,7 +7,7 @@ model's score: a rule reward's accuracy is its own check (issue 63)."""
 
 import pytest
 
-from mcore_rl.config.rl import RewardHackingConfig
+from mcore_rl.config.trainer import RewardHackingConfig
 from mcore_rl.evaluation.reward_hacking import RewardHackingMonitor
 
 HACKED = [  # eval rows of the PPO run against a reward model (issue 31; accuracy checked)

@@ -9,7 +9,7 @@ import torch
 
 from mcore_rl.algorithms.reward_shaping import RewardShaper
 from mcore_rl.config.reward import RewardShapingConfig
-from mcore_rl.config.rl import ModelSelectionConfig
+from mcore_rl.config.trainer import ModelSelectionConfig
 from mcore_rl.evaluation.model_selection import ModelSelection
 from world import run_world
 

@@ -9,7 +9,7 @@ import pytest
 
 from mcore_rl.config import ConfigError, JobConfig, validate_rl
 from mcore_rl.config.data import DataConfig, ToyConfig
-from mcore_rl.config.rl import TrainerConfig
+from mcore_rl.config.trainer import TrainerConfig
 from mcore_rl.config.runtime import RuntimeConfig
 from mcore_rl.observability.step_metrics import MetricsLogger
 

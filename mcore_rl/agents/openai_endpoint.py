@@ -16,6 +16,9 @@ connect, and must not take turns injected into an episode; a request body is rea
 `MAX_BODY_BYTES` only. The server runs in a daemon thread on loopback only; the engine stays with
 the rank's main thread (its steps are collectives), so a request only builds its prompt ids here and
 waits for the main thread to sample it (`AgentRunner`).
+
+Which request fields are refused, and how request messages are compared and rendered, is
+openai_messages.py's.
 """
 
 from __future__ import annotations
@@ -35,30 +38,13 @@ from fastapi.responses import JSONResponse
 from mcore_rl.config.agents import MultiTurnConfig
 
 from .chat import ChatFormat, TemplateMismatch
+from .openai_messages import _tools_key, _unsupported, signature, template_message
 from .tool_calls import ToolCallError, load_parser
 
 HOST = "127.0.0.1"
 SERVER_START_SECONDS = 30.0
 MAX_BODY_BYTES = 16 << 20
 """A larger request is refused (413) before it is read whole."""
-UNSUPPORTED = {
-    "n": (lambda value: value not in (None, 1),
-          "one choice per request: each completion is one sampled turn of the episode"),
-    "stream": (lambda value: bool(value), "answers come whole; streaming is not supported"),
-    "top_logprobs": (lambda value: bool(value),
-                     "only the sampled token's log-prob is known (logprobs=true)"),
-    "stop": (lambda value: bool(value),
-             "stop strings would end a turn inside a token; the chat template's end-of-turn "
-             "token ends it"),
-    "tool_choice": (lambda value: value not in (None, "auto"),
-                    "the model chooses its tools (\"auto\"); forcing a choice is not supported"),
-    "response_format": (lambda value: value not in (None, {"type": "text"}),
-                        "structured output would constrain sampling; not supported"),
-    "logit_bias": (lambda value: bool(value), "would change the sampled distribution"),
-    "presence_penalty": (lambda value: bool(value), "would change the sampled distribution"),
-    "frequency_penalty": (lambda value: bool(value), "would change the sampled distribution"),
-}
-"""Request fields the endpoint refuses (HTTP 400) when set: (is it set?, why not)."""
 
 
 @dataclass
@@ -268,84 +254,6 @@ class ChatEndpoint:
             for index, call in enumerate(calls)]}
 
 
-def signature(message: dict) -> tuple:
-    """What two messages must share to be the same message: role, text (None as ""), and the
-    tool calls by name and parsed arguments (ids and other fields ignored)."""
-    calls = tuple((call["function"]["name"],
-                   _arguments_text(call["function"].get("arguments", {})))
-                  for call in message.get("tool_calls") or ())
-    return message.get("role"), _text(message.get("content")), calls
-
-
-def template_message(message: dict) -> dict:
-    """A request message as chat templates take it: text content, tool calls with their
-    arguments as objects (Hugging Face's convention), and the name fields kept."""
-    plain = {"role": message["role"], "content": _text(message.get("content"))}
-    for name in ("name", "tool_call_id"):
-        if message.get(name) is not None:
-            plain[name] = message[name]
-    if message.get("tool_calls"):
-        plain["tool_calls"] = [{"type": "function", "function": {
-            "name": call["function"]["name"],
-            "arguments": _arguments(call["function"].get("arguments", {}))}}
-            for call in message["tool_calls"]]
-    return plain
-
-
-def _tools_key(tools: list[dict] | None) -> str:
-    return json.dumps(tools, sort_keys=True)
-
-
-def _text(content) -> str:
-    """Message content as text (None: empty; a list of parts: their texts joined)."""
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content)
-    return content
-
-
-def _arguments(arguments):
-    """Tool call arguments as an object where they parse (the SDK sends JSON text)."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return arguments
-
-
-def _arguments_text(arguments) -> str:
-    return json.dumps(_arguments(arguments), sort_keys=True)
-
-
-def _unsupported(body) -> str | None:
-    """Why the endpoint refuses this request (None: it does not)."""
-    if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or \
-            not body["messages"]:
-        return "messages: a non-empty list of messages is required"
-    for index, message in enumerate(body["messages"]):
-        problem = _message_problem(message)
-        if problem:
-            return f"messages[{index}]: {problem}"
-    for name, (is_set, reason) in UNSUPPORTED.items():
-        if is_set(body.get(name)):
-            return f"{name}={body[name]!r} is not supported here: {reason}"
-    return None
-
-
-def _message_problem(message) -> str | None:
-    """What makes a request message unreadable (None: nothing)."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        return "a message must be an object with a \"role\" string"
-    calls = message.get("tool_calls") or []
-    if not isinstance(calls, list) or not all(
-            isinstance(call, dict) and isinstance(call.get("function"), dict)
-            and isinstance(call["function"].get("name"), str) for call in calls):
-        return "tool_calls must be a list of {\"function\": {\"name\", \"arguments\"}}"
-    return None
-
-
 def _completion(body: dict, turn: Turn, tokenizer) -> dict:
     """The OpenAI chat.completion object, plus the token ids (prompt_token_ids and
     choices[0].token_ids, as vLLM's return_token_ids gives them)."""
@@ -408,4 +316,3 @@ def _serve(app: FastAPI) -> tuple[uvicorn.Server, threading.Thread, int]:
             raise RuntimeError(f"the rollout's OpenAI endpoint did not start on {HOST}")
         time.sleep(0.01)
     return server, thread, server.servers[0].sockets[0].getsockname()[1]
-

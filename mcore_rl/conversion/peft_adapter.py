@@ -22,7 +22,7 @@ from ..config.lora import LoraConfig
 from ..param_layout import sharding
 from ..param_layout.sharding import ShardKind
 from .architectures import Architecture
-from .architectures.llama_family import split_qkv
+from .architectures.hf_tensors import split_qkv
 
 ADAPTER_DIR = "adapter"
 """Subfolder of an HF export holding the peft adapter."""

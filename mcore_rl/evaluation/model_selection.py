@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mcore_rl.config.rl import ModelSelectionConfig
+from mcore_rl.config.trainer import ModelSelectionConfig
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 
-from mcore_rl.config.rl import RewardHackingConfig
+from mcore_rl.config.trainer import RewardHackingConfig
 
 WARNING_PREFIX = "warnings/"
 REWARD_KEYS = ("eval/rm_score_mean", "eval/reward_mean")

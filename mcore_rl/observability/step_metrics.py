@@ -155,7 +155,7 @@ def start_wandb(project: str, run_name: str | None, output_dir: str,
     try:
         import wandb
     except ImportError as error:
-        from mcore_rl.config.rl import WANDB_MISSING
+        from mcore_rl.config.trainer import WANDB_MISSING
         raise RuntimeError(f"{WANDB_MISSING} ({error})") from error
     os.makedirs(output_dir, exist_ok=True)
     name = run_name or os.path.basename(os.path.normpath(os.path.abspath(output_dir)))

@@ -18,18 +18,20 @@ included) into the child, and so into every session's address space, which RLIMI
 
 What holds where a mechanism is missing: `Sandbox.mechanisms()`.
 
-One concern a file, imported one way only (client -> zygote -> session -> interpreter ->
-kernel, channel, limits, errors, user_code):
+One concern a file, imported one way only (client -> launch -> zygote -> zygote_confinement ->
+session -> interpreter -> kernel, channel, limits, errors, user_code):
 - limits.py: SandboxLimits, what one session may use;
 - kernel.py: prctl, capabilities, user namespaces, Landlock and seccomp through ctypes;
 - channel.py: the rank's non-blocking end of a session's socket, plain-data unpickling;
 - session.py: a forked session's confinement and request loop;
 - interpreter.py: a fresh interpreter a session can exec (the python tool's), in a Landlock
   domain of its own that reads neither `readable` nor the user's code;
-- zygote.py: the zygote's confinement, fork loop and reaping;
+- zygote.py: the zygote's entry point, fork loop and reaping;
+- zygote_confinement.py: the zygote confining itself once, before its first fork;
 - user_code.py: the user's code in a session as Python would load it (the script's objects by
   value, the code's folders readable);
 - client.py: the rank's side, Sandbox and its Replies;
+- launch.py: the rank starting its zygote process and stopping it (also from a finalizer);
 - errors.py: an exception in one line, as sessions reply it.
 
 Nothing here imports torch or mcore_rl.runtime at module level: the zygote imports this package

@@ -1,7 +1,7 @@
 """The rank's side: `Sandbox` opens sessions, sends them requests and returns their `Reply`s
 from poll(), never blocking on a session (a rank keeps many open, mostly idle). It starts the
-zygote (zygote.py), ends a session whose call runs past its deadline, and stops every process
-when shut down, garbage-collected, or at interpreter exit.
+zygote (zygote.py, through launch.py), ends a session whose call runs past its deadline, and
+stops every process when shut down, garbage-collected, or at interpreter exit.
 
 Use a Sandbox from one thread, and start it (first `open`) from a thread that lives as long as
 the rank: PR_SET_PDEATHSIG fires when the thread that started the zygote exits.
@@ -11,33 +11,26 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import pickle
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection, wait
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler, send_handle
 from typing import Any, Optional
 
 from .channel import _Channel, load_plain_data
 from .errors import describe_exception
 from .kernel import describe_status
-from .limits import BASIC_ENVIRONMENT, SandboxLimits
-from .user_code import code_folders, pack_main_objects
-from .zygote import ZYGOTE_BOOT, out_of_reach_note
+from .launch import _Processes, spawn_zygote
+from .limits import SandboxLimits
+from .user_code import pack_main_objects
+from .zygote_confinement import out_of_reach_note
 
 
 logger = logging.getLogger("mcore_rl.sandbox")
-
-STOP_GRACE_SECONDS = 2.0
-"""How long a stopping zygote gets to end its sessions and exit before it is killed."""
 
 START_TIMEOUT_SECONDS = 60.0
 """How long the zygote may take to import and confine itself."""
@@ -100,39 +93,6 @@ class _Session:
         return self.deadline != math.inf
 
 
-class _Processes:
-    """The zygote and the session channels: what must be stopped even when the Sandbox object is
-    never closed (the finalizer holds this, not the Sandbox)."""
-
-    def __init__(self):
-        self.zygote: Optional[subprocess.Popen] = None
-        self.control: Optional[Connection] = None
-        self.directory: Optional[str] = None
-        self.channels: dict[int, _Channel] = {}
-
-    def stop(self) -> None:
-        """Stop the zygote (it kills every session), close every channel, remove the private
-        directory. Idempotent."""
-        if self.zygote is not None:
-            try:
-                self.control.send(("stop",))
-            except OSError:
-                pass
-            try:
-                self.zygote.wait(timeout=STOP_GRACE_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.zygote.kill()  # its sessions die with it (PDEATHSIG)
-                self.zygote.wait()
-            self.control.close()
-            self.zygote = None
-        for channel in self.channels.values():
-            channel.close()
-        self.channels.clear()
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
-            self.directory = None
-
-
 class Sandbox:
     """Sessions in confined processes forked from one zygote; non-blocking open/send, replies
     from poll(). See zygote.py and session.py for what confines them."""
@@ -167,34 +127,7 @@ class Sandbox:
             raise RuntimeError(f"the {self.name} sandbox is shut down")
         if self._processes.zygote is not None:
             return
-        # Not under the rank's own TMPDIR, which only root may enter: in the system's temporary
-        # directory, named like a rank's private folder so that the next job removes it if
-        # both the rank and the zygote were killed (process_guard.reclaim_stale_files).
-        # Imported here: the zygote imports this module, and mcore_rl.runtime imports torch.
-        from ..runtime.process_guard import TEMP_PREFIX, system_temp_dir
-        from ..runtime.rank_guard import start_time
-
-        pid = os.getpid()
-        directory = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{pid}-{start_time(pid)}-{self.name}-",
-                                     dir=system_temp_dir())
-        self._processes.directory = directory
-        ours, theirs = socket.socketpair()
-        # the zygote's cwd differs: `readable` and the import path as the rank resolves them
-        limits = replace(self.limits, readable=tuple(
-            os.path.abspath(place) for place in self.limits.readable))
-        setup = {"control_fd": theirs.fileno(), "directory": directory, "limits": limits,
-                 "preload": self.preload, "code_folders": code_folders(),
-                 "main_objects": self._main_objects}
-        path = [os.path.abspath(entry) for entry in sys.path]
-        self._processes.zygote = subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE_BOOT, pickle.dumps(path).hex(),
-             pickle.dumps(setup).hex()],
-            stdin=subprocess.DEVNULL, pass_fds=[theirs.fileno()],
-            env={name: os.environ[name] for name in (*BASIC_ENVIRONMENT,
-                                                     *self.limits.environment)
-                 if name in os.environ})
-        theirs.close()
-        self._processes.control = Connection(ours.detach())
+        spawn_zygote(self._processes, self.limits, self.name, self.preload, self._main_objects)
         ready = self._await_ready()
         self._mechanisms = ready["mechanisms"]
         if ready["unconfined"]:

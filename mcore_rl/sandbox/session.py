@@ -9,13 +9,13 @@ namespace of its own (RLIMIT_NPROC counts processes per user namespace, so each 
 counts its own processes only, though all run as the same uid), no capabilities, then Landlock
 (after the user namespace, whose uid_map it could not write otherwise): writes only beneath its
 own subdirectory, reads only there and in the system's folders, the Python installation and the
-code on the import path (zygote._open_readable), TCP bind/connect denied when network is off,
-no signal, ptrace or abstract Unix socket reaching outside the session; a seccomp filter that
-fails io_uring (whose operations open sockets past the socket(2) rule) and, with network off,
-every socket(2) (UDP and the host's Unix sockets too); rlimits (address space, file size,
-processes, CPU time per call, no core files); PDEATHSIG. The python tool's fresh interpreters
-add a Landlock layer of their own below it (interpreter.py): the session's `readable` and the
-user's code are the environment's, not the model's.
+code on the import path (zygote_confinement._open_readable), TCP bind/connect denied when
+network is off, no signal, ptrace or abstract Unix socket reaching outside the session; a
+seccomp filter that fails io_uring (whose operations open sockets past the socket(2) rule) and,
+with network off, every socket(2) (UDP and the host's Unix sockets too); rlimits (address
+space, file size, processes, CPU time per call, no core files); PDEATHSIG. The python tool's
+fresh interpreters add a Landlock layer of their own below it (interpreter.py): the session's
+`readable` and the user's code are the environment's, not the model's.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ class _Confinement:
     """Network off and the seccomp filter knows this machine: no session creates a socket."""
 
     readable: list
-    """(descriptor, Landlock read rights) of what a session may read (zygote._open_readable)."""
+    """(descriptor, Landlock read rights) of what a session may read
+    (zygote_confinement._open_readable)."""
 
 
 def resolve(factory: str) -> Any:

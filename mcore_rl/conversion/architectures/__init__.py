@@ -1,8 +1,8 @@
 """The HF architectures we convert, by the class name config.json lists in `architectures`.
 
-Every supported architecture is a Llama-family decoder (llama_family.py holds the mapping), dense
-or with Mixture-of-Experts MLPs; the per-architecture modules state only defaults, switches,
-MoE layout and refusals.
+Every supported architecture is a Llama-family decoder (llama_family.py holds the mapping, with
+its parts in refusals.py, hf_tensors.py and rope.py), dense or with Mixture-of-Experts MLPs; the
+per-architecture modules state only defaults, switches, MoE layout and refusals.
 """
 
 from __future__ import annotations

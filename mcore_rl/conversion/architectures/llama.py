@@ -7,7 +7,8 @@ Plain Llama has no biases anywhere, so the `attention_bias` and `mlp_bias` switc
 
 from __future__ import annotations
 
-from .llama_family import COMMON_REFUSALS, Architecture, must_be
+from .llama_family import Architecture
+from .refusals import COMMON_REFUSALS, must_be
 
 LLAMA_DEFAULTS = {
     "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,

@@ -27,21 +27,32 @@ HF Llama-family q/k weights are already in the rotate-half order Megatron's RoPE
 permuted them when converting from Meta's interleaved format), so no row permutation is applied.
 
 This module is pure: torch only, no torch.distributed, no Megatron, no transformers.
+
+Where the parts live
+--------------------
+This module holds `Architecture` (the config.json translation and the tensor methods) and the
+checks that the two directions agree. Its parts live in siblings, one concern each:
+`refusals.py` (unsupported config fields), `hf_tensors.py` (HF tensor names, shapes and the
+q/k/v and gate/up fusions) and `rope.py` (the RoPE spellings of config.json).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
-from mcore_rl.config.model import ModelConfig, MoEConfig, RopeScalingConfig
+from mcore_rl.config.model import ModelConfig, MoEConfig
 from mcore_rl.param_layout import sharding
 from mcore_rl.param_layout.sharding import ShardKind
+
+from .hf_tensors import (_HF_ROTARY_BUFFER, HfMoeLayout, _canonical_shape, _canonical_shapes,
+                         _fresh, _gather_sources, _hf_shapes, _hf_sources, _hf_sources_checked,
+                         fuse_qkv, split_qkv)
+from .refusals import COMMON_REFUSALS, Refusal
+from .rope import read_rope, write_rope
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -50,214 +61,8 @@ TOKENIZER_FILES = (
 )
 """Files next to the weights that a converted checkpoint must carry along unchanged."""
 
-DEFAULT_ROPE_THETA = 10000.0
-"""transformers' RoPE base when a config names none (the same for all four architectures)."""
-
 EXPORT_DTYPE = "float32"
 """dtype written into an exported config.json when the base config names none."""
-
-# --------------------------------------------------------------------------------------------
-# Refusals: config fields that change the math and are not supported
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """One config field whose value must pass `accepts`, else the conversion is refused."""
-
-    field: str
-    """config.json key."""
-
-    accepts: Callable[[Any, Mapping[str, Any]], bool]
-    """(value, whole resolved config) -> True when the value is supported."""
-
-    why: str
-    """What the value would change, for the error message."""
-
-    def error(self, resolved: Mapping[str, Any]) -> Optional[str]:
-        """The refusal message for this config, or None when the value is supported. A missing
-        key counts as None (the architecture's defaults have already been applied)."""
-        value = resolved.get(self.field)
-        if self.accepts(value, resolved):
-            return None
-        return f"{self.field}={value!r} is not supported: {self.why}"
-
-
-def must_be(field_name: str, supported: Any, why: str) -> Refusal:
-    """Refuse any value but `supported` (a missing key or None counts as supported when
-    `supported` is falsy, as transformers treats them)."""
-    def accepts(value: Any, _resolved: Mapping[str, Any]) -> bool:
-        return value == supported or (not supported and value is None)
-    return Refusal(field_name, accepts, why)
-
-
-def must_be_none(field_name: str, why: str) -> Refusal:
-    """Refuse any value but None / a missing key."""
-    return Refusal(field_name, lambda value, _resolved: value is None, why)
-
-
-def _all_full_attention(value: Any, _resolved: Mapping[str, Any]) -> bool:
-    """True when `layer_types` is absent or lists only full-attention layers."""
-    return value is None or all(kind == "full_attention" for kind in value)
-
-
-def _at_most_one(value: Any, _resolved: Mapping[str, Any]) -> bool:
-    """True for None, 0 or 1 (pretraining_tp > 1 splits the projections differently)."""
-    return value is None or value <= 1
-
-
-COMMON_REFUSALS = (
-    must_be("hidden_act", "silu", "the Megatron model uses SwiGLU (SiLU-gated) MLPs only"),
-    Refusal("layer_types", _all_full_attention,
-            "only full attention is supported (sliding-window layers would attend differently)"),
-    must_be_none("attn_logit_softcapping", "attention logit soft-capping is not implemented"),
-    must_be_none("final_logit_softcapping", "final logit soft-capping is not implemented"),
-    Refusal("pretraining_tp", _at_most_one,
-            "transformers computes the projections in slices that round differently"),
-)
-"""Refusals that hold for every Llama-family architecture."""
-
-# --------------------------------------------------------------------------------------------
-# Tensor names
-# --------------------------------------------------------------------------------------------
-
-_LAYER_SOURCES: dict[str, tuple[str, ...]] = {
-    "input_layernorm.weight": ("input_layernorm.weight",),
-    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
-    "self_attention.linear_qkv.weight": (
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "self_attention.linear_qkv.bias": (
-        "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "self_attention.q_layernorm.weight": ("self_attn.q_norm.weight",),
-    "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight",),
-    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
-    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
-}
-"""Canonical per-layer suffix (after ``decoder.layers.{i}.``) -> HF suffixes (after
-``model.layers.{i}.``), in fusion order."""
-
-_GLOBAL_SOURCES: dict[str, tuple[str, ...]] = {
-    sharding.EMBEDDING: ("model.embed_tokens.weight",),
-    sharding.FINAL_NORM: ("model.norm.weight",),
-    sharding.OUTPUT_LAYER: ("lm_head.weight",),
-}
-"""Canonical names outside the layers -> HF names."""
-
-@dataclass(frozen=True)
-class HfMoeLayout:
-    """Where an HF Mixture-of-Experts architecture keeps its MoE tensors and config fields."""
-
-    block: str = "mlp"
-    """The MoE module under ``model.layers.{i}.`` (Mixtral: block_sparse_moe)."""
-
-    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    """Each expert's gate, up and down projection names (Mixtral: w1, w3, w2)."""
-
-    num_experts_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
-    """config.json keys of the expert count; the first present wins, the first is written."""
-
-    expert_ffn_key: str = "moe_intermediate_size"
-    """config.json key of the experts' FFN width (Mixtral: intermediate_size)."""
-
-    normalize_key: Optional[str] = "norm_topk_prob"
-    """config.json key of the top-k renormalisation; None: always renormalised (Mixtral)."""
-
-    sparse_step_keys: bool = True
-    """Dense layers come from decoder_sparse_step and mlp_only_layers (Qwen-MoE)."""
-
-    shared_expert: bool = False
-    """An always-on shared expert with a sigmoid gate (Qwen2-MoE)."""
-
-    def layer_sources(self, suffix: str) -> Optional[tuple[str, ...]]:
-        """The HF suffixes (after ``model.layers.{i}.``) of canonical MoE suffix `suffix`, or
-        None when it is not an MoE tensor."""
-        gate, up, down = self.projections
-        expert = _CANONICAL_EXPERT.match(suffix)
-        if expert:
-            index, linear = expert.groups()
-            names = (gate, up) if linear == "linear_fc1" else (down,)
-            return tuple(f"{self.block}.experts.{index}.{name}.weight" for name in names)
-        return {"mlp.router.weight": (f"{self.block}.gate.weight",),
-                "mlp.shared_experts.gate_weight": ("mlp.shared_expert_gate.weight",),
-                "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_expert.gate_proj.weight",
-                                                         "mlp.shared_expert.up_proj.weight"),
-                "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_expert.down_proj.weight",),
-                }.get(suffix)
-
-
-_CANONICAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_CANONICAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-_HF_ROTARY_BUFFER = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
-
-
-@functools.lru_cache(maxsize=16)
-def _canonical_shapes(model: ModelConfig) -> dict[str, tuple]:
-    """`sharding.canonical_param_shapes` for the LM head, cached (it is asked once per tensor)."""
-    return sharding.canonical_param_shapes(model, head="lm")
-
-
-def _canonical_shape(name: str, model: ModelConfig) -> tuple:
-    """Shape of canonical tensor `name`; ValueError when this model has no such tensor."""
-    shapes = _canonical_shapes(model)
-    if name not in shapes:
-        raise ValueError(f"{name!r} is not a parameter of this model with an HF counterpart "
-                         f"(layers={model.num_layers}, qkv_bias={model.qkv_bias}, "
-                         f"qk_norm={model.qk_norm}, tie_embeddings={model.tie_embeddings})")
-    return shapes[name]
-
-
-def _hf_sources(name: str, moe: Optional[HfMoeLayout] = None) -> tuple[str, ...]:
-    """The HF tensor names that make up canonical tensor `name`, in fusion order."""
-    match = _CANONICAL_LAYER.match(name)
-    if match:
-        layer, suffix = match.groups()
-        sources = (moe and moe.layer_sources(suffix)) or _LAYER_SOURCES[suffix]
-        return tuple(f"model.layers.{layer}.{hf}" for hf in sources)
-    return _GLOBAL_SOURCES[name]
-
-
-def _hf_shapes(name: str, model: ModelConfig) -> tuple[tuple, ...]:
-    """Expected shape of each HF source of canonical tensor `name` (same order as the sources)."""
-    shape = _canonical_shape(name, model)
-    kind = sharding.shard_kind(name)
-    rest, head_dim = shape[1:], model.kv_channels
-    if kind is ShardKind.QKV:
-        q_rows, kv_rows = model.num_attention_heads * head_dim, model.kv_heads * head_dim
-        return (q_rows, *rest), (kv_rows, *rest), (kv_rows, *rest)
-    if kind is ShardKind.GATE_UP:
-        return ((shape[0] // 2, *rest),) * 2
-    return (shape,)
-
-
-# --------------------------------------------------------------------------------------------
-# Tensor fusion
-# --------------------------------------------------------------------------------------------
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             model: ModelConfig) -> torch.Tensor:
-    """Megatron's TP=1 fused QKV rows from HF q/k/v (weights [rows, H] or biases [rows]): per KV
-    group g, the group's q heads, then k head g, then v head g."""
-    groups, rest = model.kv_heads, q.shape[1:]
-    per_group = [q.reshape(groups, -1, *rest), k.reshape(groups, -1, *rest),
-                 v.reshape(groups, -1, *rest)]
-    return torch.cat(per_group, dim=1).reshape(-1, *rest).contiguous()
-
-
-def split_qkv(fused: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, ...]:
-    """Inverse of `fuse_qkv`: (q, k, v), each a fresh contiguous tensor."""
-    head_dim, q_rows = model.kv_channels, model.heads_per_kv_group * model.kv_channels
-    rest = fused.shape[1:]
-    per_group = fused.reshape(model.kv_heads, q_rows + 2 * head_dim, *rest)
-    parts = per_group.split([q_rows, head_dim, head_dim], dim=1)
-    return tuple(_fresh(part).reshape(-1, *rest) for part in parts)
-
-
-def _fresh(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy that shares no storage with `tensor` (safetensors refuses tensors that
-    share memory, and split halves of one tensor would)."""
-    return tensor.clone(memory_format=torch.contiguous_format)
-
 
 # --------------------------------------------------------------------------------------------
 # The architecture
@@ -513,30 +318,6 @@ class Architecture:
         return dict(zip(sources, parts))
 
 
-def _hf_sources_checked(name: str, model: ModelConfig,
-                        moe: Optional[HfMoeLayout]) -> tuple[str, ...]:
-    """`_hf_sources` after checking that `model` has canonical tensor `name`."""
-    _canonical_shape(name, model)
-    return _hf_sources(name, moe)
-
-
-def _gather_sources(name: str, sources: tuple[str, ...], shapes: tuple[tuple, ...],
-                    hf_tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The HF source tensors of canonical `name`, checked for presence, shape and one dtype."""
-    missing = [source for source in sources if source not in hf_tensors]
-    if missing:
-        raise ValueError(f"missing HF tensor(s) {missing} needed for canonical {name!r}")
-    tensors = [hf_tensors[source] for source in sources]
-    for source, tensor, shape in zip(sources, tensors, shapes):
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"HF tensor {source!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {shape} (for canonical {name!r})")
-    dtypes = {tensor.dtype for tensor in tensors}
-    if len(dtypes) > 1:
-        raise ValueError(f"HF tensors {list(sources)} mix dtypes {sorted(map(str, dtypes))}")
-    return tensors
-
-
 def _hf_visible(model: ModelConfig) -> ModelConfig:
     """`model` with what config.json cannot tell apart normalised: None KV heads or head_dim
     versus their derived values, the vocab padding multiple (a layout choice), and the MoE
@@ -552,66 +333,3 @@ def _hf_visible(model: ModelConfig) -> ModelConfig:
     return ModelConfig(**{**model.__dict__, "num_kv_heads": model.kv_heads,
                           "head_dim": model.kv_channels, "make_vocab_size_divisible_by": 1,
                           "moe": moe})
-
-
-# --------------------------------------------------------------------------------------------
-# RoPE
-# --------------------------------------------------------------------------------------------
-
-_LLAMA3_FACTORS = ("factor", "low_freq_factor", "high_freq_factor")
-
-
-def _rope_dict(resolved: Mapping[str, Any]) -> tuple[str, dict]:
-    """(field name, RoPE dict) as transformers 5 picks it: legacy ``rope_scaling`` wins over
-    ``rope_parameters``; a dict nested under "full_attention" is unwrapped."""
-    source = "rope_scaling" if resolved.get("rope_scaling") else "rope_parameters"
-    params = dict(resolved.get(source) or {})
-    nested = set(params) & {"full_attention", "sliding_attention"}
-    if nested == {"full_attention"} and len(params) == 1:
-        return f"{source}.full_attention", dict(params["full_attention"])
-    if nested:
-        raise ValueError(f"{source} nested by layer type {sorted(params)} is not supported: "
-                         "only one RoPE for all (full-attention) layers is")
-    return source, params
-
-
-def read_rope(resolved: Mapping[str, Any]) -> tuple[float, Optional[RopeScalingConfig]]:
-    """(rope theta, Llama-3 scaling or None) from a config in any of the spellings transformers
-    accepts: top-level ``rope_theta``, v5 ``rope_parameters`` or legacy ``rope_scaling``.
-    ValueError for RoPE variants we do not implement (linear, dynamic, yarn, longrope, ...)."""
-    source, params = _rope_dict(resolved)
-    theta = params.get("rope_theta") or resolved.get("rope_theta") or DEFAULT_ROPE_THETA
-    partial = params.get("partial_rotary_factor", resolved.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor={partial!r} is not supported: RoPE is applied "
-                         "to the whole head")
-    rope_type = params.get("rope_type", params.get("type")) or "default"
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type != "llama3":
-        raise ValueError(f"{source}.rope_type={rope_type!r} is not supported: only 'default' and "
-                         "'llama3' RoPE are implemented")
-    missing = [key for key in _LLAMA3_FACTORS if params.get(key) is None]
-    if missing:
-        raise ValueError(f"{source} with rope_type 'llama3' lacks {missing}")
-    original = (params.get("original_max_position_embeddings")
-                or resolved["max_position_embeddings"])
-    scaling = RopeScalingConfig(factor=float(params["factor"]),
-                                low_freq_factor=float(params["low_freq_factor"]),
-                                high_freq_factor=float(params["high_freq_factor"]),
-                                original_max_position_embeddings=int(original))
-    return float(theta), scaling
-
-
-def write_rope(model: ModelConfig) -> dict[str, Any]:
-    """config.json RoPE fields for `model`, in the v5 and the legacy spelling alike."""
-    scaling = model.rope_scaling
-    legacy = None
-    if scaling is not None:
-        legacy = {"rope_type": "llama3", "factor": scaling.factor,
-                  "low_freq_factor": scaling.low_freq_factor,
-                  "high_freq_factor": scaling.high_freq_factor,
-                  "original_max_position_embeddings": scaling.original_max_position_embeddings}
-    parameters = {"rope_type": "default", **(legacy or {}), "rope_theta": model.rope_theta}
-    return {"rope_parameters": parameters, "rope_theta": model.rope_theta,
-            "rope_scaling": legacy}

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .llama_family import COMMON_REFUSALS, Architecture, Refusal
+from .llama_family import Architecture
+from .refusals import COMMON_REFUSALS, Refusal
 
 MISTRAL_DEFAULTS = {
     "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,

@@ -9,8 +9,10 @@ A sliding window shorter than the context is refused as for Mistral.
 
 from __future__ import annotations
 
-from .llama_family import COMMON_REFUSALS, Architecture, HfMoeLayout
+from .hf_tensors import HfMoeLayout
+from .llama_family import Architecture
 from .mistral import SHORT_WINDOW_REFUSAL
+from .refusals import COMMON_REFUSALS
 
 MIXTRAL_DEFAULTS = {
     "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,

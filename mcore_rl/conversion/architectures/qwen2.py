@@ -7,7 +7,8 @@ true, so only that switch is refused.
 
 from __future__ import annotations
 
-from .llama_family import COMMON_REFUSALS, Architecture, must_be
+from .llama_family import Architecture
+from .refusals import COMMON_REFUSALS, must_be
 
 QWEN2_DEFAULTS = {
     "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,

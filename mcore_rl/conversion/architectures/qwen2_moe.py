@@ -7,8 +7,10 @@ Routing as in Qwen3-MoE (`norm_topk_prob` defaults to false here, as in the rele
 
 from __future__ import annotations
 
-from .llama_family import COMMON_REFUSALS, Architecture, HfMoeLayout, must_be
+from .hf_tensors import HfMoeLayout
+from .llama_family import Architecture
 from .qwen2 import NO_SLIDING_WINDOW
+from .refusals import COMMON_REFUSALS, must_be
 
 QWEN2_MOE_DEFAULTS = {
     "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,

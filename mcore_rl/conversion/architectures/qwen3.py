@@ -8,7 +8,8 @@ architecture (Qwen3MoeForCausalLM, qwen3_moe.py).
 
 from __future__ import annotations
 
-from .llama_family import COMMON_REFUSALS, Architecture, must_be
+from .llama_family import Architecture
+from .refusals import COMMON_REFUSALS, must_be
 
 QWEN3_DEFAULTS = {
     "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,

@@ -11,7 +11,8 @@ under the first, so that a file's `num_experts` wins over it).
 
 from __future__ import annotations
 
-from .llama_family import Architecture, HfMoeLayout
+from .hf_tensors import HfMoeLayout
+from .llama_family import Architecture
 from .qwen3 import QWEN3_REFUSALS
 
 QWEN3_MOE_DEFAULTS = {
