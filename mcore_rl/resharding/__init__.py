@@ -3,9 +3,9 @@
 shards.py describes a rank's tensor as canonical rows (vllm_shards.py: vLLM's cut and names),
 layouts.py who holds which of them (training and every rollout layout; grouping.py chooses a
 rollout layout's grouping), plan.py turns two layouts into a deterministic transfer plan (pure,
-identical on every rank), execute.py runs it with bucketed point-to-point messages and streams the shards, delivery.py
-gives the HF-named full-tensor form, full_gather.py is the peers' baseline for benchmarks and
-dry_run.py sizes a job before launch.
+identical on every rank), execute.py runs it with bucketed point-to-point messages and streams
+the shards, delivery.py gives the HF-named full-tensor form, full_gather.py is the peers'
+baseline for benchmarks and dry_run.py sizes a job before launch.
 """
 
 from .execute import DEFAULT_BUCKET_BYTES, Resharder
