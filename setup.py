@@ -32,7 +32,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "peft", "openai-agents",
                  "langchain", "langchain-openai"],
         "bench": ["locust>=2.40"],  # bench/serve_load.py
-        "vllm": ["vllm>=0.32,<0.33"],  # mcore_rl.rollout.vllm_engine.SUPPORTED_VLLM
+        "vllm": ["vllm>=0.32,<0.33"],  # mcore_rl.rollout.vllm_start.SUPPORTED_VLLM
         "te": ["transformer-engine[pytorch]"],
         "wandb": ["wandb>=0.31,<0.32"],  # trainer.wandb_project
         "agents": ["fastapi", "uvicorn", "openai"],  # rollout.multi_turn.agent

@@ -8,7 +8,7 @@ pays): start a vLLM engine for the toy job's model (configs/grpo_toy.yaml), gene
 (128 prompts x 4 sampled tokens with their log-probs, as the trainer asks). Variants:
 
     engine         the rollout engine as it is: a KV cache for what vLLM's scheduler can fill
-                   (rollout/vllm_engine.py), torch.compile'd functions run as written
+                   (rollout/vllm_start.py), torch.compile'd functions run as written
                    (runtime/cpu_compat.py)
     vllm-defaults  vLLM's own CPU behaviour: a KV cache of gpu_memory_utilization x the host's
                    memory, zeroed at start (and a warm-up forward), and its sampler's log-prob
@@ -41,7 +41,8 @@ def child(variant: str, folder: str) -> dict:
     from mcore_rl.config import BatchConfig, JobConfig, ModelConfig, RuntimeConfig
     from mcore_rl.config.rollout import PromptConfig, SamplingConfig
     from mcore_rl.conversion.architectures import ARCHITECTURES
-    from mcore_rl.rollout import vllm_engine
+    from mcore_rl.resharding import RolloutLayout
+    from mcore_rl.rollout import vllm_engine, vllm_start
     from mcore_rl.runtime import initialize, shutdown
 
     model = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256,
@@ -52,13 +53,14 @@ def child(variant: str, folder: str) -> dict:
                          runtime=RuntimeConfig(collective_timeout_minutes=5)))
     if variant == "vllm-defaults":
         torch._dynamo.config.disable = False
-        vllm_engine._cpu_kv_cache_bytes = lambda *args: None
+        vllm_start._cpu_kv_cache_bytes = lambda *args: None
     architecture = ARCHITECTURES["LlamaForCausalLM"]
-    vllm_engine.write_config_folder(model, architecture, folder)
+    vllm_start.write_config_folder(model, architecture, folder)
     times = {}
     mark = time.perf_counter()
-    engine = vllm_engine.VllmEngine(folder, model, architecture, rollout_tp=1, context_length=12,
-                                    dtype=torch.float32, gpu_memory_utilization=0.4)
+    engine = vllm_engine.VllmEngine(
+        folder, architecture, RolloutLayout.consecutive(model, "vllm", 1, 1), 12,
+        vllm_start.VllmOptions(dtype=torch.float32, gpu_memory_utilization=0.4), data_shard=0)
     times["start"] = time.perf_counter() - mark
     prompts = [[2, 3 + index % 10] for index in range(128)]
     sampling = SamplingConfig(n=1, temperature=1.0, max_new_tokens=4, seed=1)

@@ -79,7 +79,8 @@ def child(variant: str, args, folder: str) -> dict:
     from mcore_rl.models.weights import local_parameters
     from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
     from mcore_rl.resharding.execute import megatron_training_layout
-    from mcore_rl.rollout.vllm_engine import VllmEngine, write_config_folder
+    from mcore_rl.rollout.vllm_engine import VllmEngine
+    from mcore_rl.rollout.vllm_start import VllmOptions, write_config_folder
     from mcore_rl.runtime import initialize, shutdown
 
     workloads = _workloads(args)
@@ -92,10 +93,11 @@ def child(variant: str, args, folder: str) -> dict:
     actor = build_gpt_model(MODEL, ParallelConfig(), "fp32", place=runtime.training)
     load_full_state(actor, _state(), MODEL)
     training = megatron_training_layout(MODEL, runtime.training)
-    engine = VllmEngine(write_config_folder(MODEL, LLAMA, folder), MODEL, LLAMA, 1, context,
-                        torch.float32, prefix_caching=variant == "on")
-    resharder = Resharder(build_plan(training, make_rollout_layout(training, "vllm", 1),
-                                     torch.float32))
+    layout = make_rollout_layout(training, "vllm", 1)
+    engine = VllmEngine(write_config_folder(MODEL, LLAMA, folder), LLAMA, layout, context,
+                        VllmOptions(dtype=torch.float32, prefix_caching=variant == "on"),
+                        runtime.training.dp_rank)
+    resharder = Resharder(build_plan(training, layout, torch.float32))
     engine.check_plan(resharder.plan.wanted_shapes(0), torch.float32)
     generator = torch.Generator().manual_seed(1)
     found = {}

@@ -86,7 +86,8 @@ def bench(args, out_path: str) -> None:
     from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
     from mcore_rl.resharding.execute import megatron_training_layout
     from mcore_rl.rollout import MegatronEngine
-    from mcore_rl.rollout.vllm_engine import VllmEngine, write_config_folder
+    from mcore_rl.rollout.vllm_engine import VllmEngine
+    from mcore_rl.rollout.vllm_start import VllmOptions, write_config_folder
     from mcore_rl.runtime import initialize
 
     parallel = ParallelConfig()
@@ -106,8 +107,9 @@ def bench(args, out_path: str) -> None:
     results = {"params": sum(t.numel() for t in state.values())}
 
     started = time.perf_counter()
-    vllm = VllmEngine(write_config_folder(MODEL, LLAMA, args.config_dir), MODEL, LLAMA, 1,
-                      context, torch.float32)
+    vllm = VllmEngine(write_config_folder(MODEL, LLAMA, args.config_dir), LLAMA,
+                      make_rollout_layout(training, "vllm", 1), context,
+                      VllmOptions(dtype=torch.float32), place.dp_rank)
     results["vllm_start_s"] = time.perf_counter() - started
     to_full = Resharder(build_plan(training, make_rollout_layout(training, "full", 1),
                                    torch.float32))

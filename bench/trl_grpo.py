@@ -46,7 +46,7 @@ through Megatron-Core's schedule and distributed optimizer. mcore_rl runs on --o
 of 1 thread each (data parallel), TRL in one process of --trl-threads threads.
 
 The engine's stop-token bug this benchmark found (vLLM also stopped at token id 2, which
-shortened our responses and flattered our step time) is fixed in mcore_rl.rollout.vllm_engine.
+shortened our responses and flattered our step time) is fixed in mcore_rl.rollout.vllm_start.write_config_folder.
 
 Step time, mcore_rl: `time/step` in metrics.jsonl (generate .. optimizer step, logging and
 evaluation excluded); TRL: on_step_begin -> on_step_end of its Trainer (same span). Ratios are

@@ -67,7 +67,8 @@ def measure(out_path: str, overrides: list[str], weight_layout: str, syncs: int)
     runtime = initialize(config, launch)
     training = megatron_training_layout(config.model, runtime.training)
     engine, weight_sync = build_vllm_engine(config, config.sequence_length(),
-                                            weight_plan(config, training, weight_layout))
+                                            weight_plan(config, training, weight_layout),
+                                            data_shard=runtime.training.dp_rank)
     engine.sleep()
     actor = build_roles(config, runtime).actor
     figures = []

@@ -171,10 +171,16 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
         prompts)
 
     # vLLM (rollout TP2 over both ranks), placeholder weights until the first sync.
-    from mcore_rl.rollout.vllm_engine import VllmEngine, write_config_folder
+    from mcore_rl.resharding import RolloutLayout
+    from mcore_rl.rollout.vllm_engine import VllmEngine
+    from mcore_rl.rollout.vllm_start import VllmOptions, write_config_folder
 
+    fp32 = VllmOptions(dtype=torch.float32)
+    vllm_layout = make_rollout_layout(training, "vllm", 2)
+    data_shard = model_rank_of(actor).dp_rank
     try:
-        VllmEngine(os.path.join(config_dir, "missing"), MODEL, LLAMA, 2, CONTEXT, torch.float32)
+        VllmEngine(os.path.join(config_dir, "missing"), LLAMA, vllm_layout, CONTEXT, fp32,
+                   data_shard)
         results["vllm_bad_start"] = "no error"
     except EngineError as error:
         results["vllm_bad_start"] = str(error)
@@ -182,8 +188,9 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     try:
         moe = dataclasses.replace(MODEL, moe=MoEConfig(num_experts=4, ffn_hidden_size=64))
-        VllmEngine(config_dir, moe, ARCHITECTURES["Qwen3MoeForCausalLM"], 2, CONTEXT,
-                   torch.float32, capture_routes=True)
+        VllmEngine(config_dir, ARCHITECTURES["Qwen3MoeForCausalLM"],
+                   RolloutLayout.consecutive(moe, "vllm", 2, dist.get_world_size()), CONTEXT,
+                   dataclasses.replace(fp32, capture_routes=True), data_shard)
         results["vllm_v2_runner"] = "no error"
     except EngineError as error:
         results["vllm_v2_runner"] = str(error)
@@ -192,10 +199,8 @@ def run(out_path: str, config_dir: str, training_tp: int, tie_embeddings: bool =
     if dist.get_rank() == 0:
         write_config_folder(MODEL, LLAMA, config_dir)
     dist.barrier()
-    vllm = VllmEngine(config_dir, MODEL, LLAMA, rollout_tp=2, context_length=CONTEXT,
-                      dtype=torch.float32)
-    to_vllm = Resharder(build_plan(training, make_rollout_layout(training, "vllm", 2),
-                                   torch.float32))
+    vllm = VllmEngine(config_dir, LLAMA, vllm_layout, CONTEXT, fp32, data_shard)
+    to_vllm = Resharder(build_plan(training, vllm_layout, torch.float32))
     vllm.check_plan(to_vllm.plan.wanted_shapes(rank), torch.float32)
     sync = lambda: vllm.update_weights(to_vllm.sync(local_parameters(actor)))  # noqa: E731
     from vllm.distributed.parallel_state import get_tp_group

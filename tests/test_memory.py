@@ -78,7 +78,7 @@ def test_cpu_kv_cache_holds_the_sequences_the_job_runs():
     """SmolLM2 in fp32, context 256: 16 running sequences take 16 x 256 tokens x 2 (K, V) x 30
     layers x 3 heads x 64 x 4 bytes (0.18 GiB); vLLM's CPU default of 256 took 2.8 GiB. The
     engine arguments carry max_num_seqs only when it is given."""
-    from mcore_rl.rollout.vllm_engine import _cpu_kv_cache_args, _cpu_kv_cache_bytes
+    from mcore_rl.rollout.vllm_start import _cpu_kv_cache_args, _cpu_kv_cache_bytes
 
     if torch.cuda.is_available():
         pytest.skip("the CPU engine's sizing")

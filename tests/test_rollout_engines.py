@@ -226,7 +226,7 @@ def test_engine_config_folder_leaves_stop_tokens_to_the_request(tmp_path):
 
     from mcore_rl.config import ModelConfig
     from mcore_rl.conversion.architectures import ARCHITECTURES
-    from mcore_rl.rollout.vllm_engine import write_config_folder
+    from mcore_rl.rollout.vllm_start import write_config_folder
 
     folder = write_config_folder(ModelConfig(), ARCHITECTURES["LlamaForCausalLM"],
                                  str(tmp_path / "engine_config"))

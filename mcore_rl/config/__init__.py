@@ -1,11 +1,11 @@
 """Typed, frozen configuration: dataclasses with a docstring per field, YAML + overrides, validate()."""
 
 from .algorithm import AlgorithmConfig
-from .job import (ConfigError, InitConfig, JobConfig, SmokeConfig, validate, validate_rl,
-                  validate_sft)
+from .job import ConfigError, InitConfig, JobConfig, SmokeConfig, validate, validate_sft
 from .load import load_config, to_yaml
 from .model import ModelConfig, MoEConfig, RopeScalingConfig
 from .parallel import ParallelConfig
+from .rl_validation import validate_rl
 from .runtime import RuntimeConfig
 from .sft import SftConfig
 from .training import BatchConfig, OptimizerConfig

@@ -27,8 +27,8 @@ from mcore_rl.param_layout import sharding
 
 from .full_gather import full_gather_peak_bytes, full_gather_transfers
 from .layouts import DEFAULT_ORDER, RolloutLayout, TrainingLayout
-from .plan import (Traffic, bucket_load, build_plan, lower_bound_received, make_rollout_layout,
-                   traffic_of)
+from .grouping import make_rollout_layout
+from .plan import Traffic, bucket_load, build_plan, lower_bound_received, traffic_of
 from .rank_order import choose_training_order
 
 GB = 1e9
@@ -184,7 +184,7 @@ def table_row(production: Production) -> str:
     """One Markdown row of `table_header`'s table."""
     training, rollout = production.training, production.rollout
     ours, full, lower = production.estimates
-    rollout_dims = f"{rollout.tp}x{rollout.dp}" + (
+    rollout_dims = f"{rollout.tp}x{rollout.instances}" + (
         f"xEP{rollout.world_size}" if rollout.expert_parallel else "")
     return (f"| {training.world_size} | {_training_dims(training)} | "
             f"{rollout_dims} | {_gib(ours.max_received)} / "

@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from mcore_rl.param_layout import sharding
 
-from .layouts import RolloutLayout, TrainingLayout, split_dim
+from .layouts import RolloutLayout, TrainingLayout
 from .plan import ParamPlan, Transfer
+from .shards import split_dim
 
 
 def _owner_stage(training: TrainingLayout, source: str) -> int:

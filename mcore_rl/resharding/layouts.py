@@ -1,32 +1,25 @@
-"""Who holds which rows of which weight, in the training layout and in each rollout layout.
+"""Who holds which rows of which weight: the training layout and each rollout layout.
 
 Why this module exists
 ----------------------
-Resharding is only cheap if it is exact about geometry: a rank may skip receiving a row only if
-it provably holds that row already. So every layout here describes a rank's tensor as a list of
-row intervals of the *canonical* full tensor (mcore_rl.param_layout.sharding: Megatron names, TP=1,
-unpadded vocab), concatenated along the parameter's split dimension, plus zero padding rows.
-Two layouts then compare by interval arithmetic alone, and the planner never needs to know what
-"QKV" or "vocab padding" mean.
+The planner (plan.py) compares two layouts: what every training rank holds (`TrainingLayout`,
+Megatron's TP x PP x DP grid with its experts) and what every rollout rank's engine part needs
+(`RolloutLayout`). Each describes a rank's tensor of a parameter as rows of the canonical full
+tensor (shards.py), so the two compare by interval arithmetic alone.
 
-Every parameter is split along one dimension in every layout (dim 1 for row-parallel weights,
-dim 0 otherwise); a replicated tensor is the single interval covering that dimension.
+The rollout layout is also *the* answer to "which engine instance is this rank, and which ranks
+form it": it is built once (with the resharding plan), and the engine and the split placement's
+rollout ranks take their grouping from it instead of deriving it again.
 
 Rollout layouts
 ---------------
-* ``vllm``: vLLM's tensor-parallel layout. QKVParallelLinear holds, per rank, its query heads,
-  then its KV heads, then the same KV heads' values (KV heads replicated when TP > KV heads);
-  MergedColumnParallelLinear holds [gate chunk; up chunk]; VocabParallelEmbedding/ParallelLMHead
-  pad the vocabulary to a multiple of 64 and split it evenly, padding rows zero; o_proj and
-  down_proj are row-parallel; norms replicated. Tensor names are vLLM's parameter names.
-  vLLM under ``external_launcher`` forms its TP groups from consecutive global ranks, so rank
-  r is rollout TP rank ``r % tp``: the grouping is fixed.
-  Mixture-of-Experts layers (no vLLM expert parallelism): the router is ``{block}.gate``
-  (replicated), and expert e's rows are slot e of the layer's fused ``w13_weight`` ([gate chunk;
-  up chunk], like the dense MLP) and ``w2_weight`` (row-parallel), named
-  ``...routed_experts.w13_weight[e]`` here; the engine adapter assembles the slots.
+* ``vllm``: vLLM's tensor-parallel layout (vllm_shards.py), under vLLM's parameter names. vLLM
+  under ``external_launcher`` forms its TP groups from consecutive ranks, so engine rank r is
+  rollout TP rank ``r % tp`` of instance ``r // tp``: the grouping is fixed
+  (`RolloutLayout.consecutive`, the one place that rule is written).
 * ``megatron``: Megatron-Core's own layout at the rollout TP, no pipeline (canonical names). Any
-  grouping of ranks works, so the planner picks the one that overlaps training shards most.
+  grouping of ranks works, so the planner picks the one that overlaps training shards most
+  (grouping.py).
 * ``full``: every rank wants every full tensor (delivery form (a): HF-named full tensors for an
   engine's ``load_weights``).
 """
@@ -34,225 +27,19 @@ Rollout layouts
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
-from typing import Iterable
-
-import torch
 
 from mcore_rl.config.model import ModelConfig
 from mcore_rl.config.parallel import MEGATRON_DEFAULT_ORDER, with_expert_dimension
 from mcore_rl.runtime.layout import ParallelLayout
 from mcore_rl.param_layout import sharding
-from mcore_rl.param_layout.sharding import ShardKind
+
+from .shards import ShardSpec, megatron_pieces, split_dim
+from .vllm_shards import VLLM_VOCAB_PADDING, vllm_name, vllm_pieces, vllm_vocab_size
 
 ENGINES = ("vllm", "megatron", "full")
 """Rollout layouts: vLLM's TP layout, Megatron's TP layout, full tensors on every rank."""
 
-VLLM_VOCAB_PADDING = 64
-"""vLLM pads the vocabulary of VocabParallelEmbedding/ParallelLMHead to a multiple of this
-(``DEFAULT_VOCAB_PADDING_SIZE``) before splitting it over TP ranks."""
-
-Interval = tuple[int, int]
-"""[start, stop) along a parameter's split dimension, in canonical full coordinates."""
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """One rank's tensor of one parameter, described against the canonical full tensor."""
-
-    name: str
-    """The name the rank uses for the tensor (training local name or engine parameter name)."""
-
-    source: str
-    """Canonical full parameter it is cut from."""
-
-    dim: int
-    """Dimension along which the tensor is cut (the parameter's split dimension)."""
-
-    pieces: tuple[Interval, ...]
-    """Canonical intervals along ``dim``, concatenated in this order."""
-
-    padding: int = 0
-    """Zero rows appended along ``dim`` after the pieces (vocabulary padding)."""
-
-    @property
-    def length(self) -> int:
-        """Extent of the tensor along ``dim``."""
-        return sum(stop - start for start, stop in self.pieces) + self.padding
-
-    def shape(self, full_shape: tuple) -> tuple:
-        """Shape of this tensor given the canonical full shape."""
-        shape = list(full_shape)
-        shape[self.dim] = self.length
-        return tuple(shape)
-
-    def cut(self, full: torch.Tensor) -> torch.Tensor:
-        """This tensor cut from the canonical full tensor ``full`` (a new contiguous tensor)."""
-        parts = [full.narrow(self.dim, start, stop - start) for start, stop in self.pieces]
-        if self.padding:
-            shape = list(full.shape)
-            shape[self.dim] = self.padding
-            parts.append(full.new_zeros(shape))
-        return torch.cat(parts, dim=self.dim).contiguous()
-
-    def placed_pieces(self) -> Iterable[tuple[int, int, int]]:
-        """(canonical start, canonical stop, offset in this tensor) per piece."""
-        offset = 0
-        for start, stop in self.pieces:
-            yield start, stop, offset
-            offset += stop - start
-
-
-def split_dim(name: str) -> int:
-    """The dimension parameter ``name`` is split along in every layout."""
-    return 1 if sharding.shard_kind(name) is ShardKind.ROW else 0
-
-
-def _chunk(length: int, parts: int, index: int, base: int = 0) -> Interval:
-    """Interval ``index`` of ``parts`` equal chunks of [base, base + length)."""
-    size = length // parts
-    return base + index * size, base + (index + 1) * size
-
-
-def _merge_adjacent(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
-    """Intervals with touching neighbours joined, order kept."""
-    merged: list[list[int]] = []
-    for start, stop in intervals:
-        if merged and merged[-1][1] == start:
-            merged[-1][1] = stop
-        else:
-            merged.append([start, stop])
-    return tuple((start, stop) for start, stop in merged)
-
-
-def _vocab_pieces(vocab: int, padded: int, tp: int,
-                  tp_rank: int) -> tuple[tuple[Interval, ...], int]:
-    """(pieces, padding) of TP rank ``tp_rank`` when ``vocab`` rows are zero-padded to ``padded``
-    and split evenly."""
-    start, stop = _chunk(padded, tp, tp_rank)
-    real_stop = min(stop, vocab)
-    pieces = ((start, real_stop),) if start < real_stop else ()
-    return pieces, (stop - start) - max(0, real_stop - start)
-
-
-def megatron_pieces(name: str, model: ModelConfig, tp: int,
-                    tp_rank: int) -> tuple[tuple[Interval, ...], int]:
-    """(pieces, padding) of Megatron TP rank ``tp_rank`` for canonical parameter ``name``: the
-    same rows `sharding.split_for_tp` cuts."""
-    kind = sharding.shard_kind(name)
-    full = sharding.full_shape(name, model)
-    length = full[split_dim(name)]
-    if kind is ShardKind.REPLICATED:
-        return ((0, length),), 0
-    if kind is ShardKind.VOCAB:
-        return _vocab_pieces(model.vocab_size, model.padded_vocab_size(tp), tp, tp_rank)
-    if kind is ShardKind.GATE_UP:
-        half = length // 2
-        return (_chunk(half, tp, tp_rank), _chunk(half, tp, tp_rank, base=half)), 0
-    return (_chunk(length, tp, tp_rank),), 0  # COLUMN, ROW, QKV
-
-
-def vllm_vocab_size(model: ModelConfig) -> int:
-    """Rows of vLLM's embedding and LM head: the vocabulary padded to a multiple of 64."""
-    return -(-model.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-
-
-def _vllm_qkv_pieces(model: ModelConfig, tp: int, tp_rank: int) -> tuple[Interval, ...]:
-    """Rows of vLLM's QKVParallelLinear on ``tp_rank`` ([its q heads; its k heads; its v heads])
-    as intervals of Megatron's per-group fused layout."""
-    head_dim, q_per_group = model.kv_channels, model.heads_per_kv_group
-    group_rows = (q_per_group + 2) * head_dim
-    q_heads = range(*_chunk(model.num_attention_heads, tp, tp_rank))
-    if tp >= model.kv_heads:
-        kv_heads = [tp_rank // (tp // model.kv_heads)]
-    else:
-        kv_heads = range(*_chunk(model.kv_heads, tp, tp_rank))
-
-    def rows(group: int, head_in_group: int) -> Interval:
-        start = group * group_rows + head_in_group * head_dim
-        return start, start + head_dim
-
-    q = [rows(head // q_per_group, head % q_per_group) for head in q_heads]
-    k = [rows(group, q_per_group) for group in kv_heads]
-    v = [rows(group, q_per_group + 1) for group in kv_heads]
-    return _merge_adjacent(q) + _merge_adjacent(k) + _merge_adjacent(v)
-
-
-def vllm_pieces(name: str, model: ModelConfig, tp: int,
-                tp_rank: int) -> tuple[tuple[Interval, ...], int]:
-    """(pieces, padding) of vLLM TP rank ``tp_rank`` for canonical parameter ``name``."""
-    kind = sharding.shard_kind(name)
-    if kind is ShardKind.QKV:
-        return _vllm_qkv_pieces(model, tp, tp_rank), 0
-    if kind is ShardKind.VOCAB:
-        return _vocab_pieces(model.vocab_size, vllm_vocab_size(model), tp, tp_rank)
-    return megatron_pieces(name, model, tp, tp_rank)
-
-
-# --------------------------------------------------------------------------------------------
-# Names
-# --------------------------------------------------------------------------------------------
-
-_VLLM_LAYER_NAMES = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
-    "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-"""Canonical per-layer suffix -> vLLM Llama-family parameter suffix."""
-
-_VLLM_MOE_NAMES = {
-    "mlp.router.weight": "{block}.gate.weight",
-    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
-    "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.gate_up_proj.weight",
-    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
-}
-"""Canonical MoE suffix -> vLLM suffix; ``{block}`` is the MoE module (mlp, Mixtral's
-block_sparse_moe)."""
-
-_VLLM_EXPERT = {"linear_fc1": "w13_weight", "linear_fc2": "w2_weight"}
-"""Expert linear -> vLLM's fused parameter holding every expert of a layer."""
-
-_VLLM_GLOBAL_NAMES = {
-    sharding.EMBEDDING: "model.embed_tokens.weight",
-    sharding.FINAL_NORM: "model.norm.weight",
-    sharding.OUTPUT_LAYER: "lm_head.weight",
-}
-"""Canonical non-layer name -> vLLM Llama-family parameter name."""
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-VLLM_EXPERT_SLOT = re.compile(r"^(.+)\[(\d+)\]$")
-"""An expert's slot in a fused vLLM parameter: ``<parameter name>[<expert>]``."""
-
-
-def vllm_name(canonical: str, moe_block: str = "mlp") -> str:
-    """vLLM's name for canonical parameter ``canonical`` in the Llama family (Llama, Qwen2,
-    Qwen3, Mistral) and its MoE members (Qwen3-MoE, Qwen2-MoE; Mixtral with ``moe_block``
-    block_sparse_moe). An expert's tensor is a slot of its layer's fused parameter."""
-    match = _LAYER.match(canonical)
-    if not match:
-        return _VLLM_GLOBAL_NAMES[canonical]
-    layer, suffix = match.groups()
-    expert = _EXPERT.match(suffix)
-    if expert:
-        index, linear = expert.groups()
-        return (f"model.layers.{layer}.{moe_block}.experts.routed_experts."
-                f"{_VLLM_EXPERT[linear]}[{index}]")
-    if suffix in _VLLM_MOE_NAMES:
-        return f"model.layers.{layer}.{_VLLM_MOE_NAMES[suffix].format(block=moe_block)}"
-    return f"model.layers.{layer}.{_VLLM_LAYER_NAMES[suffix]}"
-
-
-# --------------------------------------------------------------------------------------------
-# Layouts
-# --------------------------------------------------------------------------------------------
 
 DEFAULT_ORDER = tuple(MEGATRON_DEFAULT_ORDER.split("-"))
 """Megatron-Core's default rank order: TP varies fastest over consecutive ranks, then DP, then
@@ -401,8 +188,60 @@ class RolloutLayout:
         return range(self.first_rank, self.first_rank + self.world_size)
 
     @property
-    def dp(self) -> int:
+    def instances(self) -> int:
+        """Engine instances (the rollout DP size): groups of `tp` ranks, each serving the whole
+        model. The same number as `JobConfig.engine_instances`, the config's count."""
         return self.world_size // self.tp
+
+    @property
+    def split(self) -> bool:
+        """Whether the engine runs on ranks of its own (split placement), after the trainers."""
+        return self.first_rank > 0
+
+    @classmethod
+    def consecutive(cls, model: ModelConfig, engine: str, tp: int, world_size: int,
+                    first_rank: int = 0, moe_block: str = "mlp",
+                    expert_parallel: bool = False) -> "RolloutLayout":
+        """The layout whose instances are `tp` consecutive ranks: engine rank r (counted from
+        `first_rank`) is TP rank r % tp of instance r // tp. vLLM's grouping under
+        ``external_launcher`` (fixed: vLLM forms its groups so), and the one of split
+        placement's rollout ranks (they hold no training shard to overlap)."""
+        ranks = range(world_size)
+        return cls(model, engine, tp, tuple(rank % tp for rank in ranks),
+                   tuple(rank // tp for rank in ranks), first_rank, moe_block, expert_parallel)
+
+    def engine_rank(self, rank: int) -> int:
+        """Job rank `rank`'s place among the engine's ranks (its rank in the engine's world:
+        the rollout side's in split placement)."""
+        return rank - self.first_rank
+
+    def job_rank(self, engine_rank: int) -> int:
+        """The job rank at place `engine_rank` of the engine's world (`engine_rank`'s inverse)."""
+        return self.ranks[engine_rank]
+
+    def instance_of(self, rank: int) -> int:
+        """The engine instance (rollout DP rank) job rank `rank` is part of."""
+        return self.dp_rank_of[self.engine_rank(rank)]
+
+    def instance_ranks(self, instance: int) -> list[int]:
+        """Job ranks of engine instance `instance`, in TP-rank order."""
+        return self.group_ranks()[instance]
+
+    def is_leader(self, rank: int) -> bool:
+        """Whether job rank `rank` is its instance's first rank (TP rank 0): the one that acts
+        for the instance (split placement: scores and sends its shares)."""
+        return self.tp_rank_of[self.engine_rank(rank)] == 0
+
+    def prompt_shard_key(self, rank: int, data_shard: int | None) -> int:
+        """The key job rank `rank` pools its prompts under with the rest of its instance (ranks
+        with equal keys bring the same prompts; the key also seeds them). Split placement deals
+        prompts out per instance, so the instance; colocated, each rank brings its own training
+        data shard, `data_shard` (TP peers of one data-parallel rank bring the same)."""
+        if self.split:
+            return self.instance_of(rank)
+        if data_shard is None:
+            raise ValueError("a colocated engine needs its rank's training data shard")
+        return data_shard
 
     def wanted(self, rank: int) -> dict[str, ShardSpec]:
         """Canonical source -> the shard job rank ``rank``'s engine part needs (engine names;
@@ -415,7 +254,7 @@ class RolloutLayout:
     def shard_key(self, rank: int) -> tuple[int, tuple[int, int] | None]:
         """What decides engine rank ``rank``'s shards: its TP rank and, with expert
         parallelism, its (EP size, EP rank) in vLLM's flattened DP x TP numbering."""
-        index = rank - self.first_rank
+        index = self.engine_rank(rank)
         tp_rank = self.tp_rank_of[index]
         if not self.expert_parallel:
             return tp_rank, None
@@ -423,7 +262,7 @@ class RolloutLayout:
 
     def group_ranks(self) -> list[list[int]]:
         """Job ranks of every rollout TP group, by DP rank, each in TP-rank order."""
-        groups = [[0] * self.tp for _ in range(self.dp)]
+        groups = [[0] * self.tp for _ in range(self.instances)]
         for rank, tp_rank, dp_rank in zip(self.ranks, self.tp_rank_of, self.dp_rank_of):
             groups[dp_rank][tp_rank] = rank
         return groups
@@ -477,8 +316,3 @@ def rollout_errors(model: ModelConfig, engine: str, tp: int, world_size: int) ->
                       f"which rollout tensor-parallel size {tp} must divide")
     return errors
 
-
-def consecutive_grouping(world_size: int, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(tp_rank_of, dp_rank_of) when TP groups are consecutive ranks (vLLM's fixed grouping)."""
-    ranks = range(world_size)
-    return tuple(rank % tp for rank in ranks), tuple(rank // tp for rank in ranks)

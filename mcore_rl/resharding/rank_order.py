@@ -24,7 +24,8 @@ import numpy as np
 from mcore_rl.config.model import ModelConfig
 
 from .layouts import DEFAULT_ORDER, TrainingLayout
-from .plan import lower_bound_received, make_rollout_layout
+from .grouping import make_rollout_layout
+from .plan import lower_bound_received
 
 
 @dataclass(frozen=True)

@@ -306,7 +306,8 @@ def build_engine_and_roles(config: JobConfig, runtime: Runtime, tokenizer=None
         with STARTUP.phase("engine_start"):
             training = megatron_training_layout(config.model, runtime.training)
             engine, weight_sync = build_vllm_engine(config, length,
-                                                    weight_plan(config, training))
+                                                    weight_plan(config, training),
+                                                    data_shard=runtime.training.dp_rank)
             engine.sleep()
         # vLLM seeds torch with its own per-instance seed: reseed, or randomly initialised
         # data-parallel replicas would start from different weights.
@@ -349,36 +350,37 @@ def _running_sequences(config: JobConfig) -> int | None:
     while another still queues runs dummy steps, which the route capture misreads."""
     if config.placement.split or config.rollout.expert_parallel:
         return None
-    instances = dist.get_world_size() // config.rollout.rollout_tp
+    instances = config.engine_instances(dist.get_world_size())
     return -(-config.rollout.prompts_per_step // instances) * config.rollout.sampling.n
 
 
 def build_vllm_engine(config: JobConfig, context: int, plan: ReshardPlan,
-                      transport: Transport | None = None):
-    """A vLLM engine (awake) for sequences of `context` tokens over this side's world, and the
-    weight sync feeding it its shards of `plan` (through `transport`: the bridge in split
-    placement), after the engine has checked the plan's shards against its parameters (on
-    every rank together, before any byte moves). A plan to the ``full`` layout is the
-    diagnostic form (full tensors to every rank) benchmarks compare against."""
-    from mcore_rl.rollout.vllm_engine import VllmEngine, write_config_folder
+                      transport: Transport | None = None, data_shard: int | None = None):
+    """A vLLM engine (awake) for sequences of `context` tokens over this side's world, serving
+    the plan's rollout layout (colocated: on ranks bringing the prompts of training data shard
+    `data_shard`), and the weight sync feeding it its shards of `plan` (through `transport`:
+    the bridge in split placement), after the engine has checked the plan's
+    shards against its parameters (on every rank together, before any byte moves). A plan to
+    the ``full`` layout is the diagnostic form (full tensors to every rank) benchmarks compare
+    against."""
+    from mcore_rl.rollout.vllm_engine import VllmEngine
+    from mcore_rl.rollout.vllm_start import VllmOptions, write_config_folder
 
     architecture = hf_architecture(config)
     folder = os.path.join(config.runtime.output_dir, "engine_config")
     if dist.get_rank() == 0:
         write_config_folder(config.model, architecture, folder)
     dist.barrier()
-    rollout, weight_layout = config.rollout, plan.rollout.engine
-    engine = VllmEngine(folder, config.model, architecture, rollout.rollout_tp, context,
-                        plan.dtype, seed=config.runtime.seed,
-                        gpu_memory_utilization=rollout.gpu_memory_utilization,
-                        cuda_graphs=rollout.cuda_graphs, sleep_level=rollout.sleep_level,
-                        timeout_minutes=config.runtime.collective_timeout_minutes,
-                        weight_layout=weight_layout, capture_routes=rollout.captures_routes,
-                        expert_parallel=plan.rollout.expert_parallel,
-                        prefix_caching=rollout.prefix_caching,
-                        full_logprobs=rollout.vllm_raw_logprobs,
-                        max_num_seqs=_running_sequences(config))
+    rollout = config.rollout
+    engine = VllmEngine(folder, architecture, plan.rollout, context, VllmOptions(
+        dtype=plan.dtype, seed=config.runtime.seed,
+        gpu_memory_utilization=rollout.gpu_memory_utilization, cuda_graphs=rollout.cuda_graphs,
+        sleep_level=rollout.sleep_level,
+        timeout_minutes=config.runtime.collective_timeout_minutes,
+        capture_routes=rollout.captures_routes, prefix_caching=rollout.prefix_caching,
+        full_logprobs=rollout.vllm_raw_logprobs, max_num_seqs=_running_sequences(config)),
+        data_shard)
     resharder = Resharder(plan, rollout.sync_bucket_mb * 2 ** 20, transport)
-    if weight_layout == "vllm":
+    if plan.rollout.engine == "vllm":
         engine.check_plan(plan.wanted_shapes(resharder.rank), plan.dtype)
     return engine, WeightSync(resharder, engine)

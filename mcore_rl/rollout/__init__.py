@@ -1,7 +1,8 @@
 """Rollout: the generation side of the RL step (engines, sampling, prompt checks, mismatch).
 
 `vllm_engine` is imported on demand only (`from mcore_rl.rollout.vllm_engine import VllmEngine`):
-it is the one module that imports vllm, which is optional on training-only machines.
+it and the modules it is split into (vllm_start, vllm_weights, vllm_routes) are the ones that
+import vllm, which is optional on training-only machines.
 """
 
 from .engine import (Completion, EngineError, FinishedSample, Generation, RolloutEngine,

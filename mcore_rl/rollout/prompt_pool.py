@@ -86,10 +86,3 @@ def pool_requests(prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
 def _origins(shard_key: int, first_position: int, count: int) -> list[tuple[int, int]]:
     return [(shard_key, first_position + offset) for offset in range(count)]
 
-
-def default_shard_key() -> int:
-    """INTERIM (replaced by RolloutLayout.prompt_shard_key in the merge)."""
-    from megatron.core import parallel_state as ps
-    if ps.model_parallel_is_initialized():
-        return ps.get_data_parallel_rank()
-    return dist.get_rank()

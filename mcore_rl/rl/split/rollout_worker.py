@@ -7,9 +7,10 @@
         open every batch the bound allows: batch i starts with weights of version >= i - k
         a few engine steps; score each group of responses as it completes
 
-Each engine instance (rollout.rollout_tp consecutive rollout ranks) generates its contiguous
-slice of every batch's prompts (and every instance-th validation prompt) through the engine's
-streaming interface, so new weights land between two engine steps. Responses in flight at an
+Each engine instance (rollout.rollout_tp consecutive rollout ranks: the plan's rollout layout
+says which, and the engine pools its prompts by instance) generates its contiguous slice of
+every batch's prompts (and every instance-th validation prompt) through the engine's streaming
+interface, so new weights land between two engine steps. Responses in flight at an
 update continue with the new weights or start again (rollout.partial_rollout); either way no
 response trains more than max_staleness versions after the version that started it, because a
 batch is only opened once the weights are recent enough, and the rollout ranks pause instead.
@@ -58,18 +59,17 @@ class RolloutWorker:
         runtime = initialize(config, launch)
         self.split = runtime.split
         self.data = load_training_data(config, dp_rank=0, dp_size=1)
-        tp = config.rollout.rollout_tp
-        self.instance, self.instances = dist.get_rank() // tp, dist.get_world_size() // tp
-        self.is_leader = dist.get_rank() % tp == 0
+        plan = weight_plan(config, training_layout(config, launch.world_size))
+        layout, rank = plan.rollout, self.split.job.rank
+        self.instance, self.instances = layout.instance_of(rank), layout.instances
+        self.is_leader = layout.is_leader(rank)
         """The instance's first rank: it scores and sends the instance's shares."""
         reward_start = start_rule_reward(config, self.data, reward_fn,
                                          is_scorer=self.is_leader)
-        plan = weight_plan(config, training_layout(config, launch.world_size))
         self.engine, self.weight_sync = build_vllm_engine(config, config.sequence_length(),
                                                           plan, self.split.bridge)
         rule_reward = reward_start.result()
         self.scorer = GroupScorer(rule_reward) if self.is_leader else None
-        self.engine.shard_key = self.instance  # an instance's ranks hold the same prompts
         self.episodes = build_episode_runner(config, self.data)
         """Multi-turn jobs: the runner of this rank's episodes (None: one response each)."""
         self.control = ControlBoard(self.split.store, datetime.timedelta(
