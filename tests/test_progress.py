@@ -74,12 +74,12 @@ def test_enabled_bar_counts_iterations_and_updates(monkeypatch):
 def test_vllm_factory_draws_only_the_engine_bar(monkeypatch, capsys):
     """vLLM calls use_tqdm(iterable, desc="Adding requests") and then
     use_tqdm(total=..., desc="Processed prompts", dynamic_ncols=True, postfix=...)."""
-    from mcore_rl.rollout.vllm_engine import _vllm_progress
+    from mcore_rl.rollout.vllm_start import vllm_progress
 
     monkeypatch.setenv(ENV_VAR, "1")
     prompts = [[1], [2]]
-    assert _vllm_progress(prompts, desc="Adding requests") is prompts
-    bar = _vllm_progress(total=2, desc="Processed prompts", dynamic_ncols=True,
+    assert vllm_progress(prompts, desc="Adding requests") is prompts
+    bar = vllm_progress(total=2, desc="Processed prompts", dynamic_ncols=True,
                          postfix="est. speed input: 0.00 toks/s", mininterval=0)
     bar.update(2)
     assert bar.format_dict["elapsed"] >= 0  # what vLLM reads for its throughput postfix

@@ -17,7 +17,9 @@ from .placement import PlacementConfig
 from .preference import DpoConfig, RmConfig
 from .reward import RewardConfig
 from .lora import LoraConfig
-from .rl import ActorConfig, CriticConfig, ReferenceConfig, RolloutConfig, TrainerConfig
+from .rl import RolloutConfig
+from .roles import ActorConfig, CriticConfig, ReferenceConfig
+from .trainer import TrainerConfig
 from .runtime import RuntimeConfig
 from .sft import SftConfig
 from .teacher import TeacherConfig

@@ -11,10 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .agents import MultiTurnConfig
-from .roles import ActorConfig, CriticConfig, ReferenceConfig, RoleConfig  # noqa: F401
 from .rollout import SamplingConfig
-from .trainer import (WANDB_MISSING, ModelSelectionConfig, RewardHackingConfig,  # noqa: F401
-                      TrainerConfig, signal_from_name)
 
 ENGINES = ("vllm", "megatron")
 OVERLONG_RESPONSES = ("keep", "filter", "penalty")

@@ -54,7 +54,7 @@ from mcore_rl.models.moe_routing import moe_layers
 from mcore_rl.resharding.delivery import hf_named
 from mcore_rl.resharding.layouts import RolloutLayout
 from mcore_rl.runtime.agreement import raise_on_any_rank
-from mcore_rl.runtime.progress import progress, progress_enabled
+from mcore_rl.runtime.progress import progress_enabled
 
 from .engine import (Completion, EngineError, FinishedSample, Generation, RolloutEngine,
                      SampleRequest)
@@ -62,7 +62,7 @@ from .prompt_pool import pool_requests
 from .vllm_routes import (capture_routes, external_request_id, in_order, route_capture_note,
                           taken_routes, taken_routes_by_request)
 from .vllm_start import (VllmOptions, check_start, instance_group, sleep_mode_available,
-                         start_llm)
+                         start_llm, vllm_progress)
 from .vllm_weights import (load_shards, parameter_shapes, refresh_tied_head,
                            release_packed_weights, tied_head_of)
 
@@ -81,8 +81,7 @@ class VllmEngine(RolloutEngine):
         them, or "full", the diagnostic form; its instances, vLLM's consecutive groups; its
         expert parallelism, vLLM's: each rank serves its block of the experts whole).
         options: how it starts and runs (`VllmOptions`). data_shard: colocated, the rank's
-        data-parallel rank in the training layout (the prompts it brings); None in split
-        placement, where prompts are dealt per instance."""
+        training data-parallel rank (`RolloutLayout.prompt_shard_key`)."""
         model = layout.model
         if layout.engine not in ("vllm", "full"):
             raise ValueError(f"weight_layout={layout.engine!r} must be 'vllm' or 'full'")
@@ -169,7 +168,7 @@ class VllmEngine(RolloutEngine):
             [self._sampling_params(requests.samplings[index], sample + self._request_seed(
                 requests.samplings[index], requests.origins[index][0],
                 call_seed + requests.origins[index][1]), n=1) for index, sample in samples],
-            use_tqdm=_vllm_progress if progress_enabled() else False)
+            use_tqdm=vllm_progress if progress_enabled() else False)
         mine = requests.mine
         routes = self.llm.collective_rpc(taken_routes)[0] if self._moe_layers else {}
         completions = [
@@ -392,12 +391,3 @@ def _completion(prompt_index: int, sample_index: int, output, routed_experts,
                       routed_experts=routed_experts,
                       prompt_tokens=len(output.prompt_token_ids),
                       cached_tokens=output.num_cached_tokens or 0)
-
-
-def _vllm_progress(iterable=None, **tqdm_kwargs):
-    """vLLM's `use_tqdm` factory: its "Processed prompts" bar (with token throughput) drawn
-    through mcore_rl's progress, cleared when done; its "Adding requests" pass, over an
-    iterable, takes no time and gets no bar."""
-    if iterable is not None:
-        return iterable
-    return progress(leave=False, **tqdm_kwargs)

@@ -31,6 +31,7 @@ from mcore_rl.runtime import cpu_compat
 from mcore_rl.runtime.agreement import raise_on_any_rank
 from mcore_rl.runtime.devices import device_memory_bytes
 from mcore_rl.runtime.files import write_text_atomically
+from mcore_rl.runtime.progress import progress
 
 from .engine import EngineError
 
@@ -323,3 +324,12 @@ def write_config_folder(model: ModelConfig, architecture: Architecture, folder: 
                           ("config.json", architecture.hf_config(model))):
         write_text_atomically(os.path.join(folder, name), json.dumps(content, indent=2))
     return folder
+
+
+def vllm_progress(iterable=None, **tqdm_kwargs):
+    """vLLM's `use_tqdm` factory: its "Processed prompts" bar (with token throughput) drawn
+    through mcore_rl's progress, cleared when done; its "Adding requests" pass, over an
+    iterable, takes no time and gets no bar."""
+    if iterable is not None:
+        return iterable
+    return progress(leave=False, **tqdm_kwargs)

@@ -19,7 +19,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from mcore_rl.config.rl import signal_from_name
+from mcore_rl.config.trainer import signal_from_name
 from mcore_rl.runtime.devices import collective_device
 
 PREEMPTED_EXIT_CODE = 75
