@@ -10,6 +10,11 @@ LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                      "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
 ESTIMATORS_WITH_CRITIC = ("gae",)
+"""Estimators that read critic values (a critic is built and trained for them)."""
+
+ESTIMATORS_WITH_GREEDY_BASELINE = ("remax",)
+"""Estimators that read each prompt's greedy response's reward (ReMax: one more generate pass
+per step)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,11 @@ class AlgorithmConfig:
     def needs_critic(self) -> bool:
         """Whether the estimator reads critic values (then a critic is built and trained)."""
         return self.estimator in ESTIMATORS_WITH_CRITIC
+
+    @property
+    def needs_greedy_baseline(self) -> bool:
+        """Whether the estimator reads each prompt's greedy response's reward."""
+        return self.estimator in ESTIMATORS_WITH_GREEDY_BASELINE
 
     @property
     def needs_reference(self) -> bool:

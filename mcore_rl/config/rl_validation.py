@@ -97,9 +97,10 @@ def validate_rl(config: JobConfig, world_size: int, name_errors: Iterable[str] =
             "the importance weight needs", "rollout.importance_cap=0")
     errors += lora_errors(config, config.actor.lora, "actor.lora")
     errors += _teacher_errors(config, world_size)
-    if config.reward.shaping.active and config.algorithm.estimator == "remax":
-        errors.append("reward.shaping cannot be combined with algorithm.estimator=remax: its "
-                      "greedy baseline is scored without the shaping")
+    if config.reward.shaping.active and config.algorithm.needs_greedy_baseline:
+        errors.append(f"reward.shaping cannot be combined with algorithm.estimator="
+                      f"{config.algorithm.estimator}: its greedy baseline is scored without the "
+                      f"shaping")
     length = config.sequence_length()
     if length > config.model.max_position_embeddings:
         errors.append(f"{_sequence_length_fields(config)} = {length} exceeds "
@@ -158,9 +159,9 @@ def _placement_errors(config: JobConfig, world_size: int) -> list[str]:
                    "reward.model_path": config.reward.model_path,
                    "actor.offload": config.actor.offload, "critic.offload": config.critic.offload}
     errors += [f"{name} is not supported {why}" for name, value in unsupported.items() if value]
-    if config.algorithm.estimator == "remax":
-        errors.append(f"algorithm.estimator=remax is not supported {why} (its greedy baseline "
-                      "needs the engine on the trainer ranks)")
+    if config.algorithm.needs_greedy_baseline:
+        errors.append(f"algorithm.estimator={config.algorithm.estimator} is not supported {why} "
+                      "(its greedy baseline needs the engine on the trainer ranks)")
     instances = config.engine_instances(world_size)
     if instances and rollout.prompts_per_step % instances:
         errors.append(f"rollout.prompts_per_step={rollout.prompts_per_step} must be divisible "

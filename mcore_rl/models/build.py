@@ -29,7 +29,8 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
                     random_init: bool = True, lora: LoraConfig | None = None,
                     seed: int = 0, *, place: ModelRank):
     """The GPTModel stage the rank at `place` holds (the layout `parallel` describes), built
-    over `place`'s process groups. The stage carries `place` (`model_rank_of`).
+    over `place`'s process groups. The stage carries `place` (`model_rank_of`) and its adapters'
+    settings (`adapter_config_of`).
 
     head="lm": vocab-parallel logits over `model.padded_vocab_size(tp)` rows.
     head="scalar": one number per position (critic values, reward-model scores).
@@ -60,6 +61,7 @@ def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str
         pg_collection=place.groups,
     )
     gpt.model_rank = place
+    gpt.adapter_config = lora if lora is not None and lora.enabled else None
     if model.rope_scaling is not None:
         inv_freq = rope_inverse_frequencies(model.kv_channels, model.rope_theta)
         gpt.rotary_pos_emb.inv_freq = llama3_scaled_frequencies(inv_freq, model.rope_scaling)

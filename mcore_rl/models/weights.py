@@ -12,6 +12,7 @@ from typing import Mapping
 import torch
 
 from ..config import ModelConfig
+from ..config.lora import LoraConfig
 from ..param_layout import sharding
 from ..runtime.model_rank import ModelRank
 
@@ -70,3 +71,10 @@ def model_rank_of(module: torch.nn.Module) -> ModelRank:
     from megatron.core.utils import unwrap_model
 
     return unwrap_model(module).model_rank
+
+
+def adapter_config_of(module: torch.nn.Module) -> LoraConfig | None:
+    """The adapters' settings a stage built by `build_gpt_model` carries (None: no adapters)."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(module).adapter_config

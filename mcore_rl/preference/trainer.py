@@ -152,9 +152,8 @@ class PreferenceTrainer:
                      tokenizer_files=tokenizer_files(job.tokenizer))
         hf_dir = os.path.join(config.runtime.output_dir, HF_DIR)
         convert_mcore_to_hf(model_dir, hf_dir)
-        lora = getattr(config, self.SECTION).lora
-        if lora.enabled and self.HEAD == "lm":
-            export_adapters(module, config, lora, os.path.join(hf_dir, ADAPTER_DIR))
+        if self.HEAD == "lm":  # peft's adapter of a causal LM; a scalar head's is not exported
+            export_adapters(module, config, os.path.join(hf_dir, ADAPTER_DIR))
         return hf_dir
 
 

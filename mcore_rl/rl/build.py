@@ -57,6 +57,12 @@ class Roles:
     reward_model: RewardModel | None
     teacher: Teacher | None = None
 
+    @property
+    def scorers(self) -> list:
+        """The frozen passes over each batch before the update (reference, teacher, critic's
+        old values), each writing its declared `batch_key`."""
+        return [role for role in (self.reference, self.teacher, self.critic) if role is not None]
+
 
 OLD_LOGPROB_PASSES = {"update": "the update's own forward pass (no pass before it)",
                       "trainer": "an actor forward pass before the update",

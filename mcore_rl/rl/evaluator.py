@@ -20,7 +20,7 @@ from mcore_rl.runtime.faults import kill_point
 from mcore_rl.training.batches import pad_rows_to
 
 from .data import TrainingData, check_validation_shards
-from .step_statistics import episode_statistics
+from .step_parts import completion_statistics
 
 
 class RLEvaluator:
@@ -49,9 +49,11 @@ class RLEvaluator:
             metrics["eval/kl_to_reference"] = self._kl_to_reference(generation)
         samples = self._gather_samples(records, generation, results)
         metrics.update(run_evaluators(self.evaluators, trainer, samples))
-        if self.config.rollout.multi_turn.enabled:
+        statistics = completion_statistics(self.config)
+        if statistics:
             stats = SumsAndCounts()
-            episode_statistics(generation.completions, stats)
+            for add in statistics:
+                add(generation.completions, stats)
             metrics.update({f"eval/{name}": value
                             for name, value in stats.reduce(self.dp_group).items()})
         return metrics

@@ -162,13 +162,13 @@ def select_groups(rollouts: list[Rollout], kept: list[list[int]]) -> Rollout:
                    min(rollout.version for rollout in rollouts))
 
 
-def add_forward_passes(batch: dict, roles, old_logprobs: str = "trainer",
-                       routing_replay: str = "none") -> dict[str, float]:
+def add_forward_passes(batch: dict, roles, old_logprobs: str, routing_replay: str,
+                       stats: SumsAndCounts) -> None:
     """Old log-probs (rollout.old_logprobs: an actor forward pass, or the engine's; none yet
-    with `update`, whose update pass gives them), reference and teacher log-probs and old
-    values (critic) of the batch. A Mixture-of-Experts actor's pass also gives the step's MoE
-    metrics (returned; identical on every rank) and, under r2, the routes the later passes
-    replay."""
+    with `update`, whose update pass gives them), then each scoring role's pass (reference and
+    teacher log-probs, the critic's old values: `Roles.scorers`) of the batch. A
+    Mixture-of-Experts actor's pass also gives the step's MoE metrics (added to `stats`;
+    identical on every rank) and, under r2, the routes the later passes replay."""
     metrics = {}
     if old_logprobs == "engine":
         batch["old_logprobs"] = batch["engine_logprobs"]
@@ -178,13 +178,10 @@ def add_forward_passes(batch: dict, roles, old_logprobs: str = "trainer",
         metrics = outputs.get("moe_metrics", {})
         if routing_replay == "r2":
             batch["routed_experts"] = outputs["routed_experts"]
-    if roles.reference is not None:
-        batch["ref_logprobs"] = roles.reference.logprobs(batch)
-    if roles.teacher is not None:
-        batch["teacher_logprobs"] = roles.teacher.logprobs(batch)
-    if roles.critic is not None:
-        batch["old_values"] = roles.critic.values(batch)
-    return metrics
+    for role in roles.scorers:
+        batch[role.batch_key] = role.score(batch)
+    for name, value in metrics.items():  # global already: every rank adds the same
+        stats.add(name, torch.tensor([value]))
 
 
 def add_advantages(batch: dict, algorithm: AlgorithmConfig, kl_controller: KLController,
@@ -204,7 +201,7 @@ def add_advantages(batch: dict, algorithm: AlgorithmConfig, kl_controller: KLCon
     batch["advantages"], batch["returns"] = compute_advantages(inputs, algorithm, dp_group)
 
 
-def add_distillation(batch: dict, teacher: TeacherConfig, stats: SumsAndCounts) -> None:
+def add_distillation(batch: dict, stats: SumsAndCounts, teacher: TeacherConfig) -> None:
     """Mix the teacher's per-token advantage into the estimator's (teacher.kl_coef and
     teacher.reward_weight); the reverse KL to the teacher, the teacher's log-probs and the
     two parts' sizes go to stats."""

@@ -37,6 +37,14 @@ class StepGuards:
         """Consecutive steps whose update was skipped (saved with checkpoints)."""
         self.failed_reward_steps = 0
 
+    def state_dict(self) -> int:
+        """What a checkpoint keeps: the count of consecutive bad steps (a number, as checkpoints
+        have always stored it)."""
+        return self.bad_steps
+
+    def load_state_dict(self, bad_steps: int) -> None:
+        self.bad_steps = bad_steps
+
     def check(self, step: int, metrics: dict) -> None:
         """After step `step`'s update, with its metrics (identical on every rank)."""
         bad = is_bad_step(metrics)

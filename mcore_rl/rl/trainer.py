@@ -2,15 +2,19 @@
 
     rollout    = scheduler.next(step)             prompts -> engine (actor's weights, resharded)
                                                   -> samples -> scorer.score(samples)
-    old_logp, ref_logp, teacher_logp, values = actor / reference / teacher / critic passes
-    advantages = estimator(rewards, values, groups) [+ teacher's -(old_logp - teacher_logp)]
+    old_logp = actor pass; batch[role.batch_key] = role.score(batch) for each scoring role
+                                                  (reference, teacher, critic: Roles.scorers)
+    advantages = estimator(rewards, values, groups); each advantage term adds its part
     for epoch, mini-batch: critic.update(mb); actor.update(mb)
     log(metrics); checkpoint.maybe_save(step)
 
 The Trainer builds the components and calls them in that order: the rollout scheduler (how a
 batch is produced: synchronous, one step ahead, dynamic sampling), the generator (the engine with
 the actor's current weights), the scorer (rule rewards or a reward model), the roles, the
-evaluator, the metrics logger and the training-state checkpointer.
+evaluator, the metrics logger and the training-state checkpointer. What a feature adds to the
+step (distillation's advantage term, multi-turn episodes' statistics) is declared once in
+rl/step_parts.py; what a checkpoint carries of the trainer, once in `self.saved`. Every part
+receives this rank's place in the layout (`Runtime.training`) instead of asking for it.
 """
 
 from __future__ import annotations
@@ -51,13 +55,15 @@ from .build import (build_engine_and_roles, build_episode_runner, build_roles,
                     settled_config, start_rule_reward)
 from .data import load_training_data
 from .evaluator import RLEvaluator
-from .experience import (add_advantages, add_distillation, add_forward_passes,
+from .experience import (add_advantages, add_forward_passes,
                          make_experience, mini_batches, shape_rewards)
 from .generator import PolicyGenerator
 from .rollout_scheduler import RolloutScheduler
+from .saved_state import SavedState
 from .split.remote_rollouts import RemoteRollouts
 from .step_guards import StepGuards
-from .step_statistics import (derived_metrics, episode_statistics, off_policy_statistics,
+from .step_parts import advantage_terms, completion_statistics
+from .step_statistics import (derived_metrics, off_policy_statistics,
                               old_logprob_statistics, rollout_statistics)
 
 
@@ -138,9 +144,15 @@ class Trainer:
         self.reward_shaper = RewardShaper(config.reward.shaping)
         self.hacking_monitor = RewardHackingMonitor(config.trainer.reward_hacking)
         self.selection = ModelSelection(config.trainer.selection)
+        self.advantage_terms = advantage_terms(config)
+        self.completion_statistics = completion_statistics(config)
         self.step = 0
         self.guards = StepGuards(config.trainer.max_bad_steps, config.reward.max_failed_steps,
                                  self.checkpoint_dir)
+        self.saved = SavedState(sampler=self.data.sampler, kl_controller=self.kl_controller,
+                                bad_steps=self.guards, reward_hacking=self.hacking_monitor,
+                                reward_shaping=self.reward_shaper, selection=self.selection)
+        """What a checkpoint carries of the trainer, by name (rank 0's copy)."""
         self.logger = FirstStepLogger(MetricsLogger.for_job(config), STARTUP)
         self.timeline = Timeline(config.runtime.output_dir)
         self.trained_prompts = TrainedPromptsLog(config.runtime.output_dir, self.dp_group)
@@ -162,23 +174,21 @@ class Trainer:
         batch = make_experience(rollout.generation, rollout.scores, self.config.rollout,
                                 self.data.pad_id)
         shape_rewards(batch, self.reward_shaper, self.dp_group, stats)
-        if self.config.algorithm.estimator == "remax":
+        if self.config.algorithm.needs_greedy_baseline:
             with timer("generate_baseline"):
                 baselines = self.scheduler.greedy_scores(rollout, self.step)
                 batch["reward_baselines"] = baselines[batch["group_ids"]]
         old_logprobs = self.config.old_logprob_source()
         with timer("logprobs"):
-            moe_metrics = add_forward_passes(batch, self.roles, old_logprobs,
-                                             self.config.rollout.routing_replay)
-        for name, value in moe_metrics.items():  # global already: every rank adds the same
-            stats.add(name, torch.tensor([value]))
+            add_forward_passes(batch, self.roles, old_logprobs,
+                               self.config.rollout.routing_replay, stats)
         with timer("advantages"):
             add_advantages(batch, self.config.algorithm, self.kl_controller, self.dp_group, stats)
-            if self.roles.teacher is not None:
-                add_distillation(batch, self.config.teacher, stats)
+            for add_term in self.advantage_terms:
+                add_term(batch, stats)
         rollout_statistics(batch, rollout.results, rollout.generation.metrics, stats)
-        if self.config.rollout.multi_turn.enabled:
-            episode_statistics(rollout.generation.completions, stats)
+        for add_statistics in self.completion_statistics:
+            add_statistics(rollout.generation.completions, stats)
         off_policy_statistics(batch, rollout, self.step, stats)
         if old_logprobs != "update":
             self._old_logprob_statistics(batch, stats)
@@ -298,9 +308,7 @@ class Trainer:
                                           f"step_{self.step:08d}")
         export_actor_to_hf(self.config, self.roles.actor.parameters_for_sync(),
                            self.runtime.training, self.data.tokenizer, out_dir)
-        if self.config.actor.lora.enabled:
-            export_adapters(self.roles.actor.module, self.config, self.config.actor.lora,
-                            os.path.join(out_dir, ADAPTER_DIR))
+        export_adapters(self.roles.actor.module, self.config, os.path.join(out_dir, ADAPTER_DIR))
         return out_dir
 
     # -- pieces of the step ------------------------------------------------------------------
@@ -367,14 +375,9 @@ class Trainer:
 
     def save(self) -> str:
         """Checkpoint everything a bitwise resume needs (collective)."""
-        state = {"sampler": self.data.sampler.state_dict(),
-                 "kl_controller": self.kl_controller.state_dict(),
-                 "bad_steps": self.guards.bad_steps,
-                 "reward_hacking": self.hacking_monitor.state_dict(),
-                 "reward_shaping": self.reward_shaper.state_dict(),
-                 "selection": self.selection.state_dict()}
         return checkpointer.save_training_state(
-            self.checkpoint_dir, self.step, self._trained_models(), state, to_yaml(self.config),
+            self.checkpoint_dir, self.step, self._trained_models(), self.saved.state_dict(),
+            to_yaml(self.config),
             self.config.trainer.keep_last, rank_state=self.scheduler.state_dict(),
             place=self.runtime.training)
 
@@ -384,14 +387,7 @@ class Trainer:
         if loaded is None:
             return
         self.step, state = loaded
-        self.data.sampler.load_state_dict(state["sampler"])
-        self.kl_controller.load_state_dict(state["kl_controller"])
-        self.guards.bad_steps = state["bad_steps"]
-        for name, component in (("reward_hacking", self.hacking_monitor),
-                                ("reward_shaping", self.reward_shaper),
-                                ("selection", self.selection)):
-            if name in state:  # not in checkpoints from before the component
-                component.load_state_dict(state[name])
+        self.saved.load_state_dict(state)
         self.scheduler.load_state_dict(state["rank_state"])
         print0(f"resumed from step {self.step} ({self.checkpoint_dir})")
 

@@ -16,6 +16,9 @@ CRITIC_INPUTS = ("input_ids", "attention_mask", "loss_mask", "old_values", "retu
 class Critic:
     """A Megatron value model with its own optimizer."""
 
+    batch_key = "old_values"
+    """Where its scores of a batch go (`score`)."""
+
     def __init__(self, trainable: TrainableModel, micro_batch_size: int,
                  algorithm: AlgorithmConfig, max_tokens: int = 0):
         """max_tokens > 0: token-budget micro-batches instead of `micro_batch_size` rows."""
@@ -23,6 +26,10 @@ class Critic:
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens
         self.algorithm = algorithm
+
+    def score(self, batch: dict) -> torch.Tensor:
+        """The batch's `batch_key`: its values."""
+        return self.values(batch)
 
     def values(self, batch: dict):
         """[n, s] value of the state in which each token was chosen."""

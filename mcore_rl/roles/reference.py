@@ -20,6 +20,9 @@ from .actor import replaying_routes, scoring_inputs
 class Reference:
     """A frozen Megatron policy (no optimizer, no DDP); optionally parked in CPU memory."""
 
+    batch_key = "ref_logprobs"
+    """Where its scores of a batch go (`score`)."""
+
     def __init__(self, module: torch.nn.Module, vocab_size: int, micro_batch_size: int,
                  temperature: float, offload: bool, max_tokens: int = 0,
                  model: ModelConfig | None = None, routing_replay: str = "none"):
@@ -43,6 +46,10 @@ class Reference:
         self.offload = offload and self.device.type != "cpu" and not self.adapters_off
         if self.offload:
             module.to("cpu")
+
+    def score(self, batch: dict) -> torch.Tensor:
+        """The batch's `batch_key`: its log-probs."""
+        return self.logprobs(batch)
 
     def logprobs(self, batch: dict, micro_batch_size: int | None = None) -> torch.Tensor:
         """[n, s] log-probs of the batch's tokens under the reference policy (in micro-batches

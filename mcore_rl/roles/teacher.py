@@ -23,6 +23,9 @@ from .actor import scoring_inputs
 class Teacher:
     """A frozen Megatron LM in its own layout; optionally parked in host memory between uses."""
 
+    batch_key = "teacher_logprobs"
+    """Where its scores of a batch go (`score`)."""
+
     def __init__(self, module: torch.nn.Module, vocab_size: int, micro_batch_size: int,
                  temperature: float, offload: bool, student_shard: int):
         """module: this rank's stage of the teacher, built in the teacher's layout; vocab_size:
@@ -44,6 +47,10 @@ class Teacher:
         self.offload = offload and self.device.type != "cpu"
         if self.offload:
             module.to("cpu")
+
+    def score(self, batch: dict) -> torch.Tensor:
+        """The batch's `batch_key`: its log-probs."""
+        return self.logprobs(batch)
 
     def logprobs(self, batch: dict) -> torch.Tensor:
         """[n, s] log-probs of this rank's rows of `batch` under the teacher (collective over

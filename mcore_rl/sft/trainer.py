@@ -63,9 +63,7 @@ def run_sft(config: JobConfig) -> str:
     model_dir = os.path.join(config.runtime.output_dir, MODEL_DIR)
     save_weights(model_dir, served_parameters(module), config.model, job.place,
                  extra_metadata=hf_metadata(config), tokenizer_files=tokenizer_files(tokenizer))
-    if config.sft.lora.enabled:
-        export_adapters(module, config, config.sft.lora,
-                        os.path.join(config.runtime.output_dir, ADAPTER_DIR))
+    export_adapters(module, config, os.path.join(config.runtime.output_dir, ADAPTER_DIR))
     print0(f"sft: {steps} steps, weights and tokenizer in {model_dir}")
     job.close()
     return model_dir

@@ -11,17 +11,19 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.config import JobConfig
-from mcore_rl.config.lora import LoraConfig
 from mcore_rl.conversion.export import hf_architecture
 from mcore_rl.conversion.peft_adapter import write_peft_adapter
-from mcore_rl.models.weights import model_rank_of
 from mcore_rl.models.lora import adapter_tensors, gather_full_adapters
+from mcore_rl.models.weights import adapter_config_of, model_rank_of
 
 
-def export_adapters(module: torch.nn.Module, config: JobConfig, lora: LoraConfig,
-                    out_dir: str) -> str:
+def export_adapters(module: torch.nn.Module, config: JobConfig, out_dir: str) -> str | None:
     """Collective: gather the stage's adapters and write them as a peft adapter in `out_dir`
-    (rank 0 writes; every rank returns after it is complete)."""
+    (rank 0 writes; every rank returns after it is complete); None, writing nothing, when the
+    stage carries no adapters."""
+    lora = adapter_config_of(module)
+    if lora is None:
+        return None
     full = gather_full_adapters(adapter_tensors(module), config.model,
                                 model_rank_of(module))
     if dist.get_rank() == 0:
