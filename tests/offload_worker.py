@@ -5,7 +5,6 @@ and restoring them, and record what parking freed and the final parameters."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from mcore_rl.config import BatchConfig, JobConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from mcore_rl.models import build_gpt_model
@@ -17,16 +16,14 @@ from mcore_rl.training.offload import HostParking
 STEPS = 3
 
 
-def compare_parked_and_unmoved(out_path: str) -> None:
-    """Both optimizers, each trained parked and unmoved from the same seed, in one world."""
+def compare_parked_and_unmoved() -> dict:
+    """Both optimizers, each trained parked and unmoved from the same seed, in one world; this
+    rank's results."""
     place = initialize(_config(True)).training
     results = {(distributed, park): _train(_config(distributed), park, place)
                for distributed in (True, False) for park in (True, False)}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        torch.save(gathered, out_path)
     shutdown()
+    return results
 
 
 def _config(distributed_optimizer: bool) -> JobConfig:

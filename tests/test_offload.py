@@ -10,12 +10,10 @@ from world import run_world
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks():
     from offload_worker import compare_parked_and_unmoved
 
-    out_path = tmp_path_factory.mktemp("offload") / "results.pt"
-    run_world(2, compare_parked_and_unmoved, str(out_path))
-    return torch.load(out_path)
+    return run_world(2, compare_parked_and_unmoved)
 
 
 @pytest.mark.parametrize("distributed_optimizer", [True, False])

@@ -50,11 +50,10 @@ def test_split_and_layout_follow_their_definition():
 
 
 @pytest.mark.parametrize("tensor_parallel", [1, 2], ids=["one-rank", "TP2-SP"])
-def test_packed_passes_equal_unpacked_rows(tmp_path, tensor_parallel):
+def test_packed_passes_equal_unpacked_rows(tensor_parallel):
     """TP2-SP: two tensor-parallel ranks with sequence parallelism, whose packed sequences are
     padded at the end to a multiple of 2 (one padding segment)."""
-    run_world(tensor_parallel, compare_packing, str(tmp_path / "out.pt"), tensor_parallel)
-    results = torch.load(tmp_path / "out.pt")
+    results = run_world(tensor_parallel, compare_packing, tensor_parallel)[0]
     mask = results["batch"]["attention_mask"].bool()
     used = results["batch"]["loss_mask"].bool()
     rows = results["rows"]
@@ -88,9 +87,7 @@ def test_packed_passes_equal_unpacked_rows(tmp_path, tensor_parallel):
         assert results["packed"]["padded_share"] == pytest.approx(1 / 92)
 
 
-def compare_packing(out_path: str, tensor_parallel: int = 1) -> None:
-    import torch.distributed as dist
-
+def compare_packing(tensor_parallel: int = 1) -> dict:
     from mcore_rl.config import (BatchConfig, JobConfig, ModelConfig, OptimizerConfig,
                                  ParallelConfig)
     from mcore_rl.models import build_gpt_model
@@ -131,6 +128,5 @@ def compare_packing(out_path: str, tensor_parallel: int = 1) -> None:
                          "padded_share": metrics["padded_tokens"] / metrics["forward_tokens"],
                          "micro_batches": len(packed_micro_batches(batch, budget)[0])
                          if budget else 0}
-    if dist.get_rank() == 0:
-        torch.save(results, out_path)
     shutdown()
+    return results

@@ -29,8 +29,8 @@ def with_responses(batch: dict) -> dict:
     return dict(batch, loss_mask=batch["attention_mask"] * (positions >= prompt_lengths[:, None]))
 
 
-def compare_micro_batching(out_path: str, pipeline: int, max_tokens: int,
-                           expert_parallel: int = 1) -> None:
+def compare_micro_batching(pipeline: int, max_tokens: int,
+                           expert_parallel: int = 1) -> dict:
     """With expert_parallel > 1: a Mixture-of-Experts model with its experts split over the
     (data-parallel) ranks, each scoring its own rows; the second rank's rows cut to 12 tokens,
     so a token budget gives the ranks different numbers of micro-batches (fillers even them)."""
@@ -63,12 +63,8 @@ def compare_micro_batching(out_path: str, pipeline: int, max_tokens: int,
                          "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                          "logprobs_after": after["logprobs"]}
     micro_batches = len(token_budget_micro_batches(batch, max_tokens)[0])
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"results": results, "batch": batch,
-                                      "budget_micro_batches": micro_batches})
-    if dist.get_rank() == 0:
-        torch.save(everyone, out_path)
     shutdown()
+    return {"results": results, "batch": batch, "budget_micro_batches": micro_batches}
 
 
 def _this_ranks_rows(batch: dict, rank: int, ranks: int) -> dict:
