@@ -200,9 +200,9 @@ class RoutingPass:
             router.router_replay = megatron_replay
 
     @torch.no_grad()
-    def _observe(self, router, here: ModelRank, hidden: torch.Tensor, routing_map: torch.Tensor, slot: int,
-                 micro_batch: dict, given: torch.Tensor | None,
-                 taken_by_row: torch.Tensor | None) -> None:
+    def _observe(self, router, here: ModelRank, hidden: torch.Tensor,
+                 routing_map: torch.Tensor, slot: int, micro_batch: dict,
+                 given: torch.Tensor | None, taken_by_row: torch.Tensor | None) -> None:
         """Add one router's forward to the pass's figures, over the real tokens that have a
         given route when routes are given (a replayed filler route is no router's choice);
         keep its routes in `taken_by_row` [b, s, layers, k] (under sequence and context

@@ -1,10 +1,11 @@
 """The teacher: a frozen model, in its own layout, that scores the student's samples.
 
 The teacher may be larger than the student and split differently (its own TP and PP over the
-same ranks: the `ModelRank` its stage carries, runtime/model_rank.py). The ranks that hold one copy of the teacher together must
-score the same rows, but they may hold different rows of the student's batch (different
-student data-parallel ranks). So the rows of the ranks of one teacher copy are pooled first,
-each student data-parallel shard once, scored together, and every rank keeps its own rows.
+same ranks: the `ModelRank` its stage carries, runtime/model_rank.py). The ranks that hold one
+copy of the teacher together must score the same rows, but they may hold different rows of the
+student's batch (different student data-parallel ranks). So the rows of the ranks of one
+teacher copy are pooled first, each student data-parallel shard once, scored together, and
+every rank keeps its own rows.
 """
 
 from __future__ import annotations

@@ -329,10 +329,9 @@ def _agreed_latest(root: str) -> str | None:
 def load_latest_training_state(root: str, models: dict[str, TrainableModel], *,
                                place: ModelRank) -> tuple[int, dict] | None:
     """Collective: load the newest complete checkpoint under `root` into `models` (freshly
-    built at `place`, same roles and layout as when saved), restore this rank's RNG states and return
-    (step, trainer state with this rank's saved `rank_state` under "rank_state"); None when
-    `root` holds no complete checkpoint. The RNG states are
-    restored last, so call it after everything that seeds or draws at start-up (initialize,
+    built at `place`, same roles and layout as when saved), restore this rank's RNG states and
+    return (step, trainer state with this rank's saved `rank_state` under "rank_state"); None
+    when `root` holds no complete checkpoint. The RNG states are restored last, so call it after everything that seeds or draws at start-up (initialize,
     building models and engines); training continues with step + 1."""
     path = _agreed_latest(os.path.abspath(root))
     if path is None:
