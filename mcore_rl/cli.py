@@ -96,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--intra-node-gbps", type=float, default=Links.intra_node_gbps)
     plan.add_argument("--inter-node-gbps", type=float, default=Links.inter_node_gbps)
     plan.add_argument("--bucket-mb", type=float, default=512, help="resharder bucket size")
+    plan.add_argument("--delta-share", type=float, default=None,
+                      help="share of the lower bound a delta sync carries (rollout.delta_sync; "
+                      "measured by bench/delta_sync.py): adds its bytes, time and copies")
 
     compare = commands.add_parser("compare", help="A/B table and plot of run directories")
     compare.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runtime.output_dir")
@@ -135,7 +138,9 @@ def _plan(args) -> None:
 
     model = load_config(args.model).model
     links = Links(args.gpus_per_node, args.intra_node_gbps, args.inter_node_gbps)
-    print("\n".join(table_header()))
+    if args.delta_share is not None and not 0 < args.delta_share <= 1:
+        raise ValueError(f"--delta-share={args.delta_share} must be in (0, 1]")
+    print("\n".join(table_header(args.delta_share)))
     for gpus in (int(value) for value in args.gpus.split(",")):
         errors = _plan_errors(args, model, gpus)
         if errors:
@@ -147,7 +152,7 @@ def _plan(args) -> None:
                                          args.rollout_tp, DTYPES[args.dtype], links,
                                          int(args.bucket_mb * 1024 ** 2), args.train_ep,
                                          args.train_etp, args.rollout_ep)
-        print(table_row(production), flush=True)
+        print(table_row(production, args.delta_share), flush=True)
 
 
 def _convert(args) -> None:

@@ -408,9 +408,46 @@ def _toy_trainer(args, total_steps: int, config: str = "grpo_toy.yaml",
     return Trainer(load_config(os.path.join(REPO, "configs", config), overrides + list(extra)))
 
 
+def delta(args, check: Checks) -> dict:
+    """The delta weight sync's encoding on this machine's device (resharding/delta.py): a bf16
+    shard of 64M elements (--tiny: 1M), 0.5% of them moved, encoded on the device and applied
+    to a copy of the old one, which must then equal the new one bit for bit; the checksums
+    must equal the CPU's (integer arithmetic); figures: the delta's form and share of the
+    whole shard and the encoding's rate (GB of shard compared per second)."""
+    from mcore_rl.resharding.delta import apply_delta, checksums, encode_delta
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    numel = (1 << 20) if args.tiny else (64 << 20)
+    generator = torch.Generator().manual_seed(0)
+    previous = torch.randn(numel, generator=generator).to(torch.bfloat16)
+    current = previous.clone()
+    moved = torch.randperm(numel, generator=generator)[:numel // 200]
+    current[moved] = (current[moved].float() * 1.5).to(torch.bfloat16)
+    old, new = previous.to(device), current.to(device)
+    encoded = encode_delta(old, new)  # warm-up
+    repeats = 3
+    _synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        encoded = encode_delta(old, new)
+    _synchronize()
+    seconds = (time.perf_counter() - started) / repeats
+    held = old.clone()
+    apply_delta(held, encoded)
+    check(torch.equal(held.view(torch.int16), new.view(torch.int16)),
+          "the old shard plus the delta equals the new shard bitwise")
+    counts = [numel // 3, numel - numel // 3]
+    check(torch.equal(checksums(new, counts).cpu(), checksums(current, counts)),
+          "the device's checksums equal the CPU's")
+    share = encoded.nbytes / (numel * 2)
+    check(share < 0.1, "the delta of 0.5% moved elements is under 10% of the shard")
+    return {"device": str(device), "delta_kind": encoded.kind, "delta_share": round(share, 4),
+            "encode_gb_per_s": round(numel * 2 / seconds / 1e9, 2)}
+
+
 STAGES = {"preflight": preflight, "smoke": smoke, "performance": performance,
           "offload": offload, "parity": parity, "rl": rl, "resume": resume, "moe": moe,
-          "lora": lora, "distill": distill}
+          "lora": lora, "distill": distill, "delta": delta}
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES="preflight,smoke,performance,offload,parity,rl,resume,moe,lora,distill"
+STAGES="preflight,smoke,performance,offload,parity,rl,resume,moe,lora,distill,delta"
 GPUS=1
 FLAGS=()
 while [ $# -gt 0 ]; do
@@ -63,7 +63,8 @@ else
 fi
 
 declare -A LIMIT=([preflight]=120 [smoke]=180 [performance]=300 [offload]=240 [parity]=240
-                  [rl]=300 [resume]=300 [moe]=300 [lora]=300 [distill]=300)
+                  [rl]=300 [resume]=300 [moe]=300 [lora]=300 [distill]=300
+                  [delta]=120)
 for stage in ${STAGES//,/ }; do
   [ -n "${LIMIT[$stage]:-}" ] || { echo "unknown stage $stage" >&2; exit 2; }
   echo "== $stage (at most ${LIMIT[$stage]} s; log $OUT/$stage.log)"

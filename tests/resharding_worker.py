@@ -196,3 +196,82 @@ def run_split_checks(model: ModelConfig, rollout_ranks: int, cases: list, out: s
     except PlanError as error:
         found["bad_input"] = str(error)
     torch.save(found, f"{out}.{job.rank}")
+
+
+# --------------------------------------------------------------------------------------------
+# Delta syncs
+# --------------------------------------------------------------------------------------------
+
+def _optimizer_like_step(full: dict, step: int, dtype: torch.dtype) -> dict:
+    """The weights after an update at an RL learning rate, in the engine's dtype: each element
+    moves by about 1e-3 of its size, so most keep their bf16 value; one tensor is rewritten
+    whole (a delta bigger than the shard goes whole) and two elements take -0.0 and NaN."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    moved = {}
+    for index, (name, tensor) in enumerate(sorted(full.items())):
+        noise = torch.randn(tensor.shape, generator=generator)
+        scale = 1.0 if index == step % len(full) else 1e-3
+        moved[name] = tensor * (1 + scale * noise)
+    first = sorted(moved)[0]
+    moved[first].view(-1)[:2] = torch.tensor([-0.0, float("nan")])
+    return {name: tensor.to(dtype).to(torch.float32) for name, tensor in moved.items()}
+
+
+def run_delta_syncs(model: ModelConfig, dtype: torch.dtype, syncs: int) -> dict:
+    """TP2 x PP2 -> vLLM TP2 over 4 ranks, `syncs` delta syncs (anchor every 4, verified)
+    after optimizer-like steps, each compared bitwise with the reference layout; then a bit
+    flipped in one rank's held copy and the same weights synced again (caught and resent
+    whole, the error naming the tensor) and a resharder made afresh, as after a restart (its
+    first sync whole)."""
+    import logging
+
+    from mcore_rl.resharding.messages import DeltaOptions
+    from mcore_rl.resharding.plan import lower_bound_received
+
+    layout = TrainingLayout(model, 2, 2, 1)
+    rollout = make_rollout_layout(layout, "vllm", 2)
+    plan = build_plan(layout, rollout, dtype)
+    rank = dist.get_rank()
+    options = DeltaOptions(anchor_every=4, verify=True)
+    resharder = Resharder(plan, bucket_bytes=1 << 14, delta=options)
+    lower_bound = int(lower_bound_received(layout, rollout, plan.element_size)[rank])
+    errors: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: errors.append(record.getMessage())
+    logging.getLogger("mcore_rl.resharding.execute").addHandler(handler)
+
+    def sync(resharder: Resharder, full: dict) -> dict:
+        local = {name: tensor.to(dtype) for name, tensor in _local_shards(full, layout).items()}
+        delivered = dict(resharder.sync(local))
+        expected = {name: tensor.to(dtype) for name, tensor in expected_shards(
+            full, model, "vllm", 2, rollout.tp_rank_of[rank]).items()}
+        wrong = sorted(set(delivered) ^ set(expected)) + [
+            name for name in expected if name in delivered and not torch.equal(
+                delivered[name].view(torch.uint8), expected[name].view(torch.uint8))]
+        return {"wrong": wrong, "received": resharder.received_bytes}
+
+    full = {name: t.to(dtype).to(torch.float32) for name, t in reference_full_state(model).items()}
+    found = {"lower_bound": lower_bound, "syncs": []}
+    for step in range(syncs):
+        if step:
+            full = _optimizer_like_step(full, step, dtype)
+        found["syncs"].append(sync(resharder, full))
+    held = resharder.messages._held
+    found["held"] = len(held)
+    if rank == 1:  # a bit flips in this rank's copy of one message, the weights stay
+        key = sorted(held)[len(held) // 2]
+        held[key].view(-1)[0:1].view(torch.uint8)[0] ^= 1
+    found["flipped"] = sync(resharder, full)
+    found["resent_whole"] = resharder.resent_whole
+    found["errors"] = errors
+    logging.getLogger("mcore_rl.resharding.execute").removeHandler(handler)
+    found["restarted"] = sync(Resharder(plan, bucket_bytes=1 << 14, delta=options), full)
+    return found
+
+
+def run_delta_checks(model: ModelConfig, syncs: int) -> dict:
+    dist.init_process_group("gloo")
+    found = {str(dtype): run_delta_syncs(model, dtype, syncs)
+             for dtype in (torch.bfloat16, torch.float32)}
+    dist.destroy_process_group()
+    return found

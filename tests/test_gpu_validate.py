@@ -2,8 +2,8 @@
 models (--cpu --tiny), so the script a GPU owner runs has not rotted. Its figures only mean
 something on a GPU.
 
-The default tier runs two stages through the script (its stage loop, JSON lines and PASS/FAIL
-table, and the actor's log-probs against transformers); every stage passing its own checks (the
+The default tier runs three stages through the script (its stage loop, JSON lines and PASS/FAIL
+table, the actor's log-probs against transformers, and the delta sync's encoding); every stage passing its own checks (the
 engine against the trainer, parking bitwise, a resumed run continuing at its step...) is the slow
 tier's, since each stage's behaviour is tested on its own elsewhere (docs/testing.md)."""
 
@@ -16,7 +16,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ["preflight", "smoke", "performance", "offload", "parity", "rl", "resume", "moe",
-          "lora", "distill"]
+          "lora", "distill", "delta"]
 
 
 def run_stages(tmp_path, stages: list[str]) -> dict:
@@ -35,8 +35,9 @@ def run_stages(tmp_path, stages: list[str]) -> dict:
 
 
 def test_the_script_runs_its_stages_and_the_actor_matches_transformers(tmp_path):
-    by_stage = run_stages(tmp_path, ["preflight", "parity"])
+    by_stage = run_stages(tmp_path, ["preflight", "parity", "delta"])
     assert by_stage["parity"]["hf_vs_actor_fp32"] <= 1e-4
+    assert by_stage["delta"]["delta_kind"] == "runs"
 
 
 @pytest.mark.slow

@@ -88,3 +88,36 @@ def test_split_placement_world_of_4(tmp_path):
         assert per_rank[0]["sent"] > 0 and per_rank[1]["sent"] > 0
     for f in found:
         assert f["bad_input"].startswith("resharding refused, nothing was sent: rank 1: "), f
+
+
+def test_delta_syncs_deliver_what_a_full_sync_does_bitwise():
+    """Ten delta syncs (verified, anchor every 4) after optimizer-like updates, in bf16 and
+    fp32: every shard equals the reference layout bit for bit; in bf16 the delta syncs receive a
+    fraction of the lower bound, in fp32 (every element moved) no more than a full sync, and
+    the anchors (syncs 0, 4, 8) all of it; a bit flipped in a
+    rollout rank's copy is caught by the checksums, named, and repaired by a whole resend; a
+    resharder made afresh (a restart) starts whole."""
+    from resharding_worker import run_delta_checks
+
+    per_rank = run_world(4, run_delta_checks, MODEL, 10)
+    for dtype in ("torch.bfloat16", "torch.float32"):
+        found = [rank[dtype] for rank in per_rank]
+        for rank in found:
+            assert all(sync["wrong"] == [] for sync in rank["syncs"]), rank
+            assert rank["flipped"]["wrong"] == [] and rank["restarted"]["wrong"] == []
+            assert rank["resent_whole"] == 1 and rank["held"] > 0
+            received = [sync["received"] for sync in rank["syncs"]]
+            if rank["lower_bound"] == 0:
+                continue
+            for step, got in enumerate(received):
+                if step % 4 == 0:
+                    assert got >= rank["lower_bound"], (dtype, received)
+                elif dtype == "torch.bfloat16":  # most elements keep their bf16 value
+                    assert got < 0.5 * rank["lower_bound"], (dtype, received)
+                else:  # every fp32 element moved: each message goes whole, nothing more
+                    assert got == received[0], (dtype, received)
+            assert rank["restarted"]["received"] >= rank["lower_bound"]
+        errors = [message for rank in found for message in rank["errors"]]
+        assert len(errors) == 4, errors  # every rank logs the same gathered error
+        assert "delta sync checksum mismatch, resending every shard whole: rank 1: " in errors[0]
+        assert " rows " in errors[0] and "differs from the trainer's" in errors[0]

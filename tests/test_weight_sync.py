@@ -8,7 +8,7 @@ sampling at top_p 0.9 with importance weights (world 4); and TP1 x PP2 -> rollou
 with 3 layers over the 2 stages (2, 1; world 2), a Mixture-of-Experts model without routing
 replay (the engine keeps prefix caching: it captures no routes).
 In both: engine and trainer log-probs agree within 1e-4 (fp32) after the first sync and after an
-optimizer step and a second sync, vLLM's greedy responses equal the Megatron engine's on the actor
+optimizer step and a second sync (in the TP4 world a verified delta sync), vLLM's greedy responses equal the Megatron engine's on the actor
 (the trainer's argmax), and every step's `reshard/bytes_received_max` equals
 `reshard/lower_bound_bytes`.
 
@@ -37,7 +37,8 @@ vLLM's fused `w13_weight`/`w2_weight` come half from itself, half from the other
 vLLM-CPU pads the experts' FFN (32 / TP2 = 16) to 32 and repacks them. (vLLM repacks experts
 only at start-up: without the sync re-running the repack, the kernel refuses the unpadded
 weights, and at TP1 an updated model's log-probs come out wrong.) Each TP rank replays the
-engine's routes of its chunk of the sequence, with the same bounds.
+engine's routes of its chunk of the sequence, with the same bounds. Its second sync is a
+verified delta sync too.
 """
 
 
@@ -63,10 +64,13 @@ distribution's (what the trainer scores), or the weights carry the kept mass (ab
 MOE_CASE = "moe_ep2_to_dp2_vllm_ep_r3"
 NO_REPLAY_CASE = "moe_pp2_to_tp2_no_replay"
 SEQUENCE_PARALLEL_CASE = "moe_tp2_sequence_parallel_ep2_etp1_to_tp2_r3"
+DELTA_SYNC = ["rollout.delta_sync=true", "rollout.delta_sync_verify=true"]
+"""Delta messages, every rebuilt copy checked against the trainer's checksums."""
 CASES = {  # name: (world size, overrides)
     "tp2pp2_to_tp4_tied": (4, WIDE_TIED + ["parallel.tensor_model_parallel_size=2",
                                            "parallel.pipeline_model_parallel_size=2",
-                                           "rollout.rollout_tp=4"] + TRUNCATED_SAMPLING),
+                                           "rollout.rollout_tp=4"] + TRUNCATED_SAMPLING
+                           + DELTA_SYNC),
     NO_REPLAY_CASE: (2, MOE + ["model.num_layers=3", "parallel.pipeline_model_parallel_size=2",
                                "rollout.rollout_tp=2"]),  # uneven stages: 2, 1 layers
     MOE_CASE: (2, MOE + ["parallel.expert_model_parallel_size=2", "rollout.rollout_tp=1",
@@ -76,7 +80,8 @@ CASES = {  # name: (world size, overrides)
                                        "parallel.sequence_parallel=true",
                                        "parallel.expert_model_parallel_size=2",
                                        "parallel.expert_tensor_parallel_size=1",
-                                       "rollout.rollout_tp=2", "rollout.routing_replay=r3"]),
+                                       "rollout.rollout_tp=2", "rollout.routing_replay=r3"]
+                               + DELTA_SYNC),
 }
 
 
@@ -151,9 +156,17 @@ def test_streamed_responses_leave_no_routes_behind(case):
 
 
 def test_each_rank_receives_exactly_what_it_lacks(case):
+    """A whole sync receives the lower bound exactly; a delta sync (the dense TP4 and the
+    sequence-parallel worlds) its first sync whole, with the headers, then never more."""
     name, ranks = case
+    delta = DELTA_SYNC[0] in CASES[name][1]
+    first = ranks[0]["history"][0]
     for step in ranks[0]["history"]:
-        assert step["reshard/bytes_received_max"] == step["reshard/lower_bound_bytes"]
+        if delta:
+            assert first["reshard/delta_share"] >= step["reshard/delta_share"] > 0
+            assert step["reshard/bytes_received_max"] <= first["reshard/bytes_received_max"]
+        else:
+            assert step["reshard/bytes_received_max"] == step["reshard/lower_bound_bytes"]
         # vLLM's EP2 serves on each rank the experts Megatron's EP2 trains there: nothing moves
         assert (step["reshard/lower_bound_bytes"] == 0) == (name == MOE_CASE)
     if name == "tp2pp2_to_tp4_tied":  # PP first: each rank's rollout quarter in its TP half

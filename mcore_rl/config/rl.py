@@ -87,6 +87,25 @@ class RolloutConfig:
     """Communication buffers per rank of one weight sync (two halves in flight): a sync's
     peak extra memory is at most this plus one rollout shard of the largest parameter."""
 
+    delta_sync: bool = False
+    """After the first sync, send each rollout rank only the elements of its shard whose bit
+    pattern (in the engine's dtype) changed since the last sync it received: as runs or a
+    bitmask with the values, whichever is smaller per message (a message that changed more
+    goes whole). The engine gets the same shards bit for bit. At RL learning rates most bf16
+    weights keep their value from one step to the next (docs/resharding.md has the measured
+    share); in fp32 nearly all change. Costs memory on the sync's device: every rank keeps a
+    copy of what it sent and received in one full sync, and one host synchronisation per
+    bucket (the message sizes)."""
+
+    delta_sync_anchor_every: int = 100
+    """With delta_sync: every this many syncs one is sent whole (the first always is, also
+    after a restart or resume)."""
+
+    delta_sync_verify: bool = False
+    """With delta_sync: the trainer sends a checksum of every parameter run of every message
+    and the rollout ranks check their rebuilt copies against it; a mismatch is logged as an
+    error naming the tensor, and that sync is then resent whole."""
+
     overlong: str = "keep"
     """Responses cut at max_new_tokens: keep (as they are), filter (no loss on them) or penalty
     (DAPO's soft overlong penalty over the last `overlong_buffer` tokens)."""
@@ -236,6 +255,9 @@ class RolloutConfig:
                           "be in (0, 1): training needs the rest of the GPU")
         if self.sync_bucket_mb < 1:
             errors.append(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be >= 1")
+        if self.delta_sync_anchor_every < 1:
+            errors.append(f"rollout.delta_sync_anchor_every={self.delta_sync_anchor_every} must "
+                          "be >= 1")
         if self.sleep_level not in (1, 2):
             errors.append(f"rollout.sleep_level={self.sleep_level} must be 1 or 2")
         if self.prompts_per_step < 1:

@@ -11,7 +11,9 @@ is said in whichever of three forms is smallest for the tensor at hand:
 
 Equality is of bit patterns in the engine's dtype (integer views), so NaN payloads and the sign
 of zero travel exactly, and applying a delta to the copy it was computed against gives the new
-tensor bitwise. Pure torch: no process group, no engine.
+tensor bitwise. On the wire a delta is one byte buffer (`to_wire`) whose layout the receiver
+rebuilds from three integers (`Delta.header`) and the message's element count it knows from the
+plan (`from_wire`). Pure torch: no process group, no engine.
 """
 
 from __future__ import annotations
@@ -61,18 +63,20 @@ def changed_elements(previous: torch.Tensor, current: torch.Tensor) -> torch.Ten
 
 def encode_delta(previous: torch.Tensor, current: torch.Tensor) -> Delta:
     """The smallest form of `current`'s change from `previous` (ties go to the earlier of
-    full, runs, mask)."""
+    full, runs, mask). A full delta shares `current`'s memory. Two passes over the tensor (the
+    comparison and its nonzero); the runs come from the changed indices alone."""
     flat = current.reshape(-1)
     changed = changed_elements(previous, current)
-    values = flat[changed]
-    starts, lengths = _runs(changed)
+    where = changed.nonzero().flatten()
+    starts, lengths = _runs(where)
     element = flat.element_size()
     sizes = {"full": flat.numel() * element,
-             "runs": starts.numel() * _RUN_BYTES + values.numel() * element,
-             "mask": -(-flat.numel() // 8) + values.numel() * element}
+             "runs": starts.numel() * _RUN_BYTES + where.numel() * element,
+             "mask": -(-flat.numel() // 8) + where.numel() * element}
     kind = min(KINDS, key=lambda name: sizes[name])
     if kind == "full":
-        return Delta("full", flat.numel(), (flat.clone(),))
+        return Delta("full", flat.numel(), (flat,))
+    values = flat[where]
     if kind == "runs":
         return Delta("runs", flat.numel(), (starts, lengths.to(torch.int32), values))
     return Delta("mask", flat.numel(), (_pack_bits(changed), values))
@@ -95,13 +99,87 @@ def apply_delta(target: torch.Tensor, delta: Delta) -> None:
         flat[_unpack_bits(delta.parts[0].to(flat.device), delta.numel)] = values
 
 
-def _runs(changed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts, lengths) of the runs of True in a flat boolean mask."""
-    edges = torch.diff(changed.to(torch.int8), prepend=changed.new_zeros(1, dtype=torch.int8),
-                       append=changed.new_zeros(1, dtype=torch.int8))
-    starts = (edges == 1).nonzero().flatten()
-    ends = (edges == -1).nonzero().flatten()
-    return starts, ends - starts
+def full_delta(current: torch.Tensor) -> Delta:
+    """The whole tensor as a delta (a first sync, an anchor), sharing its memory."""
+    return Delta("full", current.numel(), (current.reshape(-1),))
+
+
+# -- on the wire ----------------------------------------------------------------------------
+
+def header(delta: Delta) -> list[int]:
+    """What the receiver needs besides the element count and dtype to read the wire buffer:
+    the form's index in KINDS, the number of runs and the number of changed elements."""
+    runs = delta.parts[0].numel() if delta.kind == "runs" else 0
+    return [KINDS.index(delta.kind), runs, delta.changed]
+
+
+def _part_specs(kind: str, numel: int, runs: int, changed: int,
+                dtype: torch.dtype) -> list[tuple[torch.dtype, int]]:
+    """(dtype, count) of each part, in `Delta.parts` order."""
+    if kind == "full":
+        return [(dtype, numel)]
+    if kind == "runs":
+        return [(torch.int64, runs), (torch.int32, runs), (dtype, changed)]
+    return [(torch.uint8, -(-numel // 8)), (dtype, changed)]
+
+
+def _wire_order(specs: list[tuple[torch.dtype, int]]) -> list[int]:
+    """Parts by element size, largest first: every part then starts at a multiple of its own
+    element size, so the receiver views its slice of the byte buffer without a copy."""
+    return sorted(range(len(specs)), key=lambda index: -specs[index][0].itemsize)
+
+
+def wire_bytes(header_values: list[int], numel: int, dtype: torch.dtype) -> int:
+    """Size of the wire buffer a header announces."""
+    kind, runs, changed = header_values
+    return sum(d.itemsize * count for d, count in _part_specs(KINDS[kind], numel, runs, changed,
+                                                               dtype))
+
+
+def to_wire(delta: Delta) -> torch.Tensor:
+    """The delta as one flat uint8 buffer (a full delta's without a copy)."""
+    specs = [(part.dtype, part.numel()) for part in delta.parts]
+    parts = [delta.parts[index].reshape(-1).view(torch.uint8) for index in _wire_order(specs)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def from_wire(header_values: list[int], numel: int, dtype: torch.dtype,
+              buffer: torch.Tensor) -> Delta:
+    """The delta a `to_wire` buffer holds (views into `buffer`)."""
+    kind, runs, changed = header_values
+    specs = _part_specs(KINDS[kind], numel, runs, changed, dtype)
+    parts: list = [None] * len(specs)
+    offset = 0
+    for index in _wire_order(specs):
+        part_dtype, count = specs[index]
+        size = part_dtype.itemsize * count
+        parts[index] = buffer[offset:offset + size].view(part_dtype)
+        offset += size
+    if offset != buffer.numel():
+        raise ValueError(f"a delta buffer of {buffer.numel()} bytes, its header announces "
+                         f"{offset}")
+    return Delta(KINDS[kind], numel, tuple(parts))
+
+
+def checksums(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """One int64 per consecutive segment of `counts` elements of `flat`: the sum of each
+    element's bit pattern times its position in the segment plus one, wrapping. Integer
+    arithmetic, so the same on every device; a changed, moved or swapped element shows."""
+    bits = flat.view(_BITS[flat.element_size()]).to(torch.int64)
+    sums, offset = [], 0
+    for count in counts:
+        weights = torch.arange(1, count + 1, dtype=torch.int64, device=flat.device)
+        sums.append((bits[offset:offset + count] * weights).sum())
+        offset += count
+    return torch.stack(sums) if sums else bits.new_zeros(0)
+
+
+def _runs(where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, lengths) of the runs of consecutive indices in a sorted index tensor."""
+    first = torch.ones(min(1, where.numel()), dtype=torch.bool, device=where.device)
+    opens = torch.cat([first, torch.diff(where) != 1]).nonzero().flatten()
+    ends = torch.cat([opens[1:], opens.new_tensor([where.numel()])]) if opens.numel() else opens
+    return where[opens], ends - opens
 
 
 def _run_indices(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

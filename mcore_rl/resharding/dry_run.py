@@ -9,6 +9,10 @@ For a model config and both layouts, three strategies are compared:
   ranks), then a broadcast through the pipeline; every rank gets every full tensor and slices it;
 * ``lower bound``: each rank receives exactly the bytes of its rollout shard it does not hold.
 
+With a delta share (``rollout.delta_sync``: the share of the lower bound a delta sync carries,
+measured by bench/delta_sync.py) the table adds what a delta sync would move and take, and
+the copies it keeps per rank (what the rank sends plus receives in a whole sync).
+
 Time is a link model, not a measurement: a rank's bytes to and from ranks on its node move at
 ``intra_node_gbps``, the rest at ``inter_node_gbps``; a rank's time is the larger of its send and
 receive times and the sync takes as long as the slowest rank. Latency and congestion are
@@ -57,6 +61,8 @@ class Estimate:
     mean_received: float
     peak_extra: float | None
     seconds: float | None
+    max_sent_and_received: float | None = None
+    """The most bytes one rank sends plus receives: what a delta sync's copies hold."""
 
 
 def _seconds(traffic: Traffic, links: Links) -> float:
@@ -108,7 +114,7 @@ def estimate(training: TrainingLayout, engine: str, rollout_tp: int,
                       for bucket in plan.buckets(bucket_bytes // 2))
     return rollout, [
         Estimate("ours", ours.received.max(), ours.received.mean(), buffers + largest_output,
-                 _seconds(ours, links)),
+                 _seconds(ours, links), float((ours.sent + ours.received).max())),
         Estimate("full-gather", baseline.received.max(), baseline.received.mean(),
                  full_gather_peak_bytes(training, element) + largest_output,
                  _seconds(baseline, links)),
@@ -160,16 +166,20 @@ def _gib(value: float) -> str:
     return f"{value / 1024 ** 3:.2f}"
 
 
-def table_header() -> list[str]:
+def table_header(delta_share: float | None = None) -> list[str]:
     """The table's header lines (Markdown); the training layout column is TPxPPxDP, with xEP
     appended when experts are split over expert-parallel ranks (and xETP when the experts'
     tensor-parallel size is not TP's); the rollout column is TPxDP, with xEP when vLLM's expert
-    parallelism serves each rank's experts whole."""
+    parallelism serves each rank's experts whole. With `delta_share`, a last column for delta
+    syncs."""
+    delta = ("" if delta_share is None else
+             f" delta sync at {delta_share:.1%}: max GiB / est. s / copies GiB |")
     return ["| GPUs | training TPxPPxDP[xEP] | rollout TPxDP[xEP] | max GiB received: ours / "
             "full-gather / lower bound | ours / full-gather | est. s: ours / full-gather | "
             "peak extra GiB: ours / full-gather | rank order | ours with Megatron's default "
-            "order: max GiB | rollout weights GiB per GPU |",
-            "|---:|---|---|---|---:|---|---|---|---:|---:|"]
+            "order: max GiB | rollout weights GiB per GPU |" + delta,
+            "|---:|---|---|---|---:|---|---|---|---:|---:|" + ("" if delta_share is None
+                                                               else "---|")]
 
 
 def _training_dims(training: TrainingLayout) -> str:
@@ -180,8 +190,9 @@ def _training_dims(training: TrainingLayout) -> str:
     return dims + (f"xETP{training.etp}" if training.grid.expert_tp != training.tp else "")
 
 
-def table_row(production: Production) -> str:
-    """One Markdown row of `table_header`'s table."""
+def table_row(production: Production, delta_share: float | None = None) -> str:
+    """One Markdown row of `table_header`'s table. A delta sync's bytes and time are the whole
+    sync's scaled by the share (the link model; encoding is not modelled)."""
     training, rollout = production.training, production.rollout
     ours, full, lower = production.estimates
     rollout_dims = f"{rollout.tp}x{rollout.instances}" + (
@@ -193,4 +204,7 @@ def table_row(production: Production) -> str:
             f"{ours.seconds:.2f} / {full.seconds:.2f} | "
             f"{_gib(ours.peak_extra)} / {_gib(full.peak_extra)} | {training.megatron_order} | "
             f"{_gib(production.default_order_received)} | "
-            f"{_gib(production.rollout_weight_bytes)} |")
+            f"{_gib(production.rollout_weight_bytes)} |" + (
+                "" if delta_share is None else
+                f" {_gib(ours.max_received * delta_share)} / {ours.seconds * delta_share:.3f} / "
+                f"{_gib(ours.max_sent_and_received)} |"))

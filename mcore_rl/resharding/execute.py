@@ -19,6 +19,12 @@ and each is handed out (the consumer owns it) as soon as its last rows are in, b
 one is allocated. Peak extra memory is therefore ``bucket_bytes`` plus one rollout shard, if
 the consumer lets go of each shard before it asks for the next (the vLLM engine does).
 
+Only what changed
+-----------------
+Every sync's messages carry the same elements (the plan fixes them), so with ``delta`` each
+message goes as its change since the last sync, against copies both ends keep (messages.py);
+the shards handed out are the same, bit for bit.
+
 Failure
 -------
 Before any byte moves, every rank checks its local tensors against the plan (names, shapes,
@@ -28,6 +34,7 @@ rank instead of leaving the others blocked in a receive.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
@@ -36,7 +43,10 @@ import torch
 from ..runtime.model_rank import ModelRank
 from ..runtime.transport import Transport, WorldTransport
 from .layouts import TrainingLayout, layout_order
+from .messages import DeltaMessages, DeltaOptions, WholeMessages
 from .plan import BucketEntry, ParamPlan, PlanError, ReshardPlan, Transfer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 ** 2
 """Communication buffer budget per rank (two half-size buckets in flight)."""
@@ -68,13 +78,18 @@ def _run_elements(param: ParamPlan, transfer: Transfer) -> int:
     return transfer.length * param.row_elements
 
 
+class DeltaMismatch(RuntimeError):
+    """A rollout rank's copy rebuilt from deltas differs from what the trainer holds."""
+
+
 class Resharder:
     """Delivers this rank's rollout shards from its training shards, following ``plan``."""
 
     def __init__(self, plan: ReshardPlan, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 transport: Transport | None = None):
+                 transport: Transport | None = None, delta: DeltaOptions | None = None):
         """transport: the default world (colocated placement) unless given, e.g. the bridge
-        between trainer and rollout ranks of split placement."""
+        between trainer and rollout ranks of split placement. delta: send each message as its
+        change since the last sync (messages.py), else whole."""
         if bucket_bytes < 2 * plan.element_size:
             raise ValueError(f"bucket_bytes={bucket_bytes} is too small")
         self.plan = plan
@@ -95,8 +110,10 @@ class Resharder:
                        for param, _ in entries}
         self._buckets = [self._my_share(index, entries, last_bucket)
                          for index, entries in enumerate(buckets)]
-        self.received_bytes = 0
-        """Bytes this rank received in the last sync (for metrics and benchmarks)."""
+        self.messages = (WholeMessages(self.transport, plan.dtype) if delta is None
+                         else DeltaMessages(self.transport, plan.dtype, delta))
+        self.resent_whole = 0
+        """Syncs resent whole after a delta checksum mismatch."""
 
     def _my_share(self, index: int, entries: list[BucketEntry],
                   last_bucket: Mapping[str, int]) -> _Bucket:
@@ -122,15 +139,39 @@ class Resharder:
         """Yield (engine name, rollout shard) for every parameter this rank's engine part needs,
         in canonical order. ``local_tensors`` maps this rank's training local names (local-spec
         names, as `models.weights.local_parameters` gives) to its shards. Every rank must iterate
-        the whole generator: the messages are collective."""
+        the whole generator: the messages are collective. With verified delta messages, a
+        checksum mismatch anywhere is logged as an error naming the tensor, and every shard is
+        then sent whole and yielded again."""
         by_source = self._check_inputs(local_tensors)
-        self.received_bytes = 0
+        self.messages.start()
+        yield from self._deliver(by_source)
+        if not self.messages.verifies:
+            return
+        try:
+            self.transport.agree(self.messages.mismatches, DeltaMismatch,
+                                 "delta sync checksum mismatch, resending every shard whole: ")
+        except DeltaMismatch as error:
+            logger.error("%s", error)
+            self.resent_whole += 1
+            self.messages.resend_whole()
+            yield from self._deliver(by_source)
+            self.transport.agree(self.messages.mismatches, PlanError,
+                                 "a whole resend after a delta mismatch mismatched too: ")
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes this rank received in the last sync (for metrics and benchmarks)."""
+        return self.messages.received_bytes
+
+    def _deliver(self, by_source: Mapping[str, torch.Tensor]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every bucket's messages, the next posted before the current is unpacked."""
         if not self._buckets:
             return
         partial: dict[str, torch.Tensor] = {}
         pending = self._post(self._buckets[0], by_source)
         for position, bucket in enumerate(self._buckets):
-            received = self._wait(pending)
+            received = self.messages.wait(pending)
             if position + 1 < len(self._buckets):
                 pending = self._post(self._buckets[position + 1], by_source)
             yield from self._unpack(bucket, by_source, received, partial)
@@ -164,33 +205,31 @@ class Resharder:
 
     # ----------------------------------------------------------------------------------------
 
-    def _post(self, bucket: _Bucket, by_source: Mapping[str, torch.Tensor]) -> list:
-        """Pack and post this rank's sends and receives of ``bucket`` in one transport round;
-        returns the handles and receive buffers."""
-        device, dtype = self.transport.device, self.plan.dtype
-        buffers, packed = {}, {}
-        for src, runs in sorted(bucket.receives.items()):
-            buffers[src] = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=dtype,
-                                       device=device)
-            self.received_bytes += buffers[src].numel() * buffers[src].element_size()
+    def _post(self, bucket: _Bucket, by_source: Mapping[str, torch.Tensor]) -> tuple:
+        """Pack this rank's sends of ``bucket`` and start the bucket's exchange."""
+        sends = {}
         for dst, runs in sorted(bucket.sends.items()):
-            packed[dst] = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=dtype,
-                                      device=device)
+            packed = torch.empty(sum(_run_elements(p, t) for p, t in runs), dtype=self.plan.dtype,
+                                 device=self.transport.device)
             offset = 0
             for param, transfer in runs:
                 count = _run_elements(param, transfer)
                 source = by_source[param.source].narrow(param.dim, transfer.src_offset,
                                                         transfer.length)
-                packed[dst][offset:offset + count].view(source.shape).copy_(source)
+                packed[offset:offset + count].view(source.shape).copy_(source)
                 offset += count
-        return [self.transport.post(buffers, packed, bucket.index), buffers]
+            sends[dst] = (packed, [self._segment(param, run) for param, run in runs])
+        receives = {src: [self._segment(param, run) for param, run in runs]
+                    for src, runs in sorted(bucket.receives.items())}
+        return self.messages.post(bucket.index, receives, sends)
 
-    @staticmethod
-    def _wait(pending: list) -> dict[int, torch.Tensor]:
-        handles, buffers = pending
-        for handle in handles:
-            handle.wait()
-        return buffers
+    def _segment(self, param: ParamPlan, run: Transfer) -> tuple[str, int]:
+        """A run inside a message: its name in a checksum error (the engine's on the receiving
+        side) and its element count."""
+        spec = self.wanted.get(param.source)
+        name = param.source if spec is None else spec.name
+        rows = f"{run.dst_offset}:{run.dst_offset + run.length}"
+        return f"{name} rows {rows} of dim {param.dim}", _run_elements(param, run)
 
     def _unpack(self, bucket: _Bucket, by_source: Mapping[str, torch.Tensor],
                 received: Mapping[int, torch.Tensor], partial: dict[str, torch.Tensor]

@@ -27,7 +27,7 @@ from mcore_rl.conversion.model_source import with_model_from_init
 from mcore_rl.models import DTYPES, build_gpt_model
 from mcore_rl.models.pretrained import build_from_init, copy_of_stage
 from mcore_rl.observability.startup import STARTUP
-from mcore_rl.resharding import Resharder, build_plan, make_rollout_layout
+from mcore_rl.resharding import DeltaOptions, Resharder, build_plan, make_rollout_layout
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.resharding.layouts import DEFAULT_ORDER, TrainingLayout, layout_order
 from mcore_rl.resharding.plan import ReshardPlan
@@ -348,6 +348,20 @@ def weight_plan(config: JobConfig, training: TrainingLayout,
     return build_plan(training, rollout, DTYPES[config.runtime.precision])
 
 
+def build_resharder(config: JobConfig, plan: ReshardPlan,
+                    transport: Transport | None = None) -> Resharder:
+    """The resharder of the actor's weight syncs, whole or delta (rollout.delta_sync), on
+    both sides of `transport`."""
+    rollout = config.rollout
+    delta = None
+    if rollout.delta_sync:
+        delta = DeltaOptions(rollout.delta_sync_anchor_every, rollout.delta_sync_verify)
+        print0(f"weight sync: delta messages (a whole sync every {delta.anchor_every}, "
+               f"checksums {'verified' if delta.verify else 'off'}): reshard/delta_share shows "
+               "the share of the lower bound sent")
+    return Resharder(plan, rollout.sync_bucket_mb * 2 ** 20, transport, delta)
+
+
 def _running_sequences(config: JobConfig) -> int | None:
     """The most sequences one engine instance runs at once in colocated placement: its part of
     a step's prompts x n (the KV cache is sized for them on CPUs; an evaluation's larger calls
@@ -386,7 +400,7 @@ def build_vllm_engine(config: JobConfig, context: int, plan: ReshardPlan,
         capture_routes=rollout.captures_routes, prefix_caching=rollout.prefix_caching,
         full_logprobs=rollout.vllm_raw_logprobs, max_num_seqs=_running_sequences(config)),
         data_shard)
-    resharder = Resharder(plan, rollout.sync_bucket_mb * 2 ** 20, transport)
+    resharder = build_resharder(config, plan, transport)
     if plan.rollout.engine == "vllm":
         engine.check_plan(plan.wanted_shapes(resharder.rank), plan.dtype)
     return engine, WeightSync(resharder, engine)

@@ -5,6 +5,8 @@ the plan's lower bound for this rank, so the step's metrics show, max over ranks
 rank received exactly what its rollout shard lacks and what that cost:
 
     reshard/bytes_received_max    reshard/lower_bound_bytes    reshard/syncs (0 or 1 a step)
+    reshard/delta_share           (bytes received / lower bound: 1 for a whole sync, the
+                                   delta's share with rollout.delta_sync)
     memory/reshard_peak_extra_mb  (and the sync's seconds as the step phase time/reshard)
 
 An evaluation's syncs are left out of them (`PolicyGenerator.uncounted`).
@@ -35,6 +37,16 @@ class SyncFigures:
     seconds: float
     peak_extra_mb: float
     """Memory above the level before the sync, at its peak (device memory on GPUs)."""
+    delta_share: float
+    """Bytes received over the rank's lower bound (0 where the lower bound is 0)."""
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.bytes_received, self.seconds, self.peak_extra_mb,
+                             self.delta_share], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, values: torch.Tensor) -> "SyncFigures":
+        return cls(*values.tolist())
 
 
 class WeightSync:
@@ -55,20 +67,26 @@ class WeightSync:
         started = time.perf_counter()
         with PeakMemory() as peak:
             self.engine.update_weights(self.resharder.sync(local_parameters))
-        figures = SyncFigures(self.resharder.received_bytes, time.perf_counter() - started,
-                              peak.extra_bytes / 2 ** 20)
+        received = self.resharder.received_bytes
+        figures = SyncFigures(received, time.perf_counter() - started, peak.extra_bytes / 2 ** 20,
+                              received / self.lower_bound_bytes if self.lower_bound_bytes else 0.0)
         self.since_last_step.append(figures)
         return figures
 
     def add_metrics(self, stats: SumsAndCounts) -> None:
-        """The largest figures of the syncs since the last call (zeros when there was none),
-        for the step's statistics to reduce (maxima over ranks)."""
-        syncs = self.since_last_step
-        maxima = {"reshard/bytes_received_max": max((s.bytes_received for s in syncs), default=0),
-                  "memory/reshard_peak_extra_mb": max((s.peak_extra_mb for s in syncs),
-                                                      default=0.0),
-                  "reshard/syncs": len(syncs),
-                  "reshard/lower_bound_bytes": self.lower_bound_bytes}
-        for name, value in maxima.items():
-            stats.add_max(name, torch.tensor([float(value)]))
+        """The figures of the syncs since the last call, for the step's statistics to reduce
+        (maxima over ranks)."""
+        add_sync_metrics(stats, self.since_last_step, self.lower_bound_bytes)
         self.since_last_step = []
+
+
+def add_sync_metrics(stats: SumsAndCounts, syncs: list[SyncFigures], lower_bound_bytes: int
+                     ) -> None:
+    """The largest figures of `syncs` (zeros when there was none) and the lower bound."""
+    maxima = {"reshard/bytes_received_max": max((s.bytes_received for s in syncs), default=0),
+              "reshard/delta_share": max((s.delta_share for s in syncs), default=0.0),
+              "memory/reshard_peak_extra_mb": max((s.peak_extra_mb for s in syncs), default=0.0),
+              "reshard/syncs": len(syncs),
+              "reshard/lower_bound_bytes": lower_bound_bytes}
+    for name, value in maxima.items():
+        stats.add_max(name, torch.tensor([float(value)]))

@@ -80,5 +80,5 @@ class Share:
     """Responses restarted at a weight update (partial_rollout=abort)."""
 
     syncs: list = field(default_factory=list)
-    """Weight syncs since this instance's previous share: (bytes, seconds, peak extra MB),
-    each the largest over the rollout ranks."""
+    """Weight syncs since this instance's previous share (`SyncFigures`), each figure the
+    largest over the rollout ranks."""

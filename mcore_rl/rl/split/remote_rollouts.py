@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from mcore_rl.config import JobConfig
 from mcore_rl.observability.step_metrics import PhaseTimer, SumsAndCounts
-from mcore_rl.resharding import Resharder
 from mcore_rl.resharding.execute import megatron_training_layout
 from mcore_rl.resharding.plan import lower_bound_received
 from mcore_rl.rollout import Generation, prefill_counts
@@ -33,7 +32,8 @@ from mcore_rl.runtime.messages import ControlBoard, receive_object
 from mcore_rl.runtime.model_rank import ModelRank
 from mcore_rl.runtime.worlds import SplitWorld
 
-from ..build import weight_plan
+from ..build import build_resharder, weight_plan
+from ..weight_sync import add_sync_metrics
 from ..data import TrainingData
 from ..experience import Rollout
 from .protocol import Evaluate, Fetch, Share, Start, Stop, Weights
@@ -52,7 +52,7 @@ class RemoteRollouts:
             minutes=config.runtime.collective_timeout_minutes))
         training = megatron_training_layout(config.model, here)
         plan = weight_plan(config, training)
-        self.resharder = Resharder(plan, config.rollout.sync_bucket_mb * 2 ** 20, split.bridge)
+        self.resharder = build_resharder(config, plan, split.bridge)
         self.lower_bound_bytes = int(lower_bound_received(plan.training, plan.rollout,
                                                           plan.element_size).max())
         """The most any rollout rank must receive per sync."""
@@ -117,12 +117,7 @@ class RemoteRollouts:
 
     def add_metrics(self, stats: SumsAndCounts) -> None:
         """The rollout ranks' weight syncs since the last call (largest over the ranks)."""
-        maxima = {"reshard/bytes_received_max": max((s[0] for s in self.syncs), default=0),
-                  "memory/reshard_peak_extra_mb": max((s[2] for s in self.syncs), default=0.0),
-                  "reshard/syncs": len(self.syncs),
-                  "reshard/lower_bound_bytes": self.lower_bound_bytes}
-        for name, value in maxima.items():
-            stats.add_max(name, torch.tensor([float(value)]))
+        add_sync_metrics(stats, self.syncs, self.lower_bound_bytes)
         self.syncs = []
 
     def state_dict(self) -> dict:

@@ -43,6 +43,7 @@ from ..build import (build_episode_runner, build_vllm_engine, settled_config,
                      start_rule_reward, training_layout, weight_plan)
 from ..data import load_training_data
 from ..rollout_scheduler import evaluation_sampling, training_sampling
+from ..weight_sync import SyncFigures
 from .book import InstanceBook
 from .group_scorer import GroupScorer
 from .protocol import Evaluate, Fetch, Share, Start, Stop, Weights
@@ -90,9 +91,9 @@ class RolloutWorker:
         """Shares the trainers have asked for and not received yet."""
         self.deferred: list = []
         """Control messages taken while episodes ran and handled once they end."""
-        self.syncs: list[tuple[float, float, float]] = []
-        """Weight syncs since this instance's last share: (bytes, seconds, peak MB), maxima
-        over the rollout ranks."""
+        self.syncs: list[SyncFigures] = []
+        """Weight syncs since this instance's last share: each figure the largest over the
+        rollout ranks."""
 
     def run(self) -> int:
         """Serve the trainers until they say stop; returns the exit status they give. An error
@@ -168,10 +169,9 @@ class RolloutWorker:
             if self.version is not None:
                 self.timeline.record(self.version, self.timer.hand_over())
             figures = self.weight_sync.sync({})
-        largest = torch.tensor([figures.bytes_received, figures.seconds, figures.peak_extra_mb],
-                               dtype=torch.float64)
+        largest = figures.as_tensor()
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.split.side_group)
-        self.syncs.append(tuple(largest.tolist()))
+        self.syncs.append(SyncFigures.from_tensor(largest))
         restart = self.config.rollout.partial_rollout == "abort"
         aborted, restarted = self.book.weights_changed(version, self.engine.generated_lengths(),
                                                        restart)
