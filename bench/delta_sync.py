@@ -18,8 +18,8 @@ Setups:
       every sync crosses the bridge), small batches (2 prompts x 2 samples, 16 new tokens) so a
       step takes about a minute on these CPUs: the share depends on the optimizer's update,
       which Adam normalises, not on the batch size.
-  quickstart  the quickstart's GRPO (configs/quickstart/grpo.yaml: tiny Llama, fp32, world 2,
-      colocated PP2 -> rollout TP2).
+  quickstart  the quickstart's GRPO as scripts/quickstart.sh runs it (configs/quickstart/grpo.yaml
+      at PP2: tiny Llama, fp32, lr 3e-4, world 2, colocated PP2 -> rollout TP2).
 
 `--report FILE` prints the table of a saved results.json.
 """
@@ -56,7 +56,8 @@ def setup_arguments(setup: str, args) -> list[str]:
     if setup == "quickstart":
         folder = os.path.join(args.out, "quickstart_data")
         prepare_quickstart(folder)
-        return ["--config", "configs/quickstart/grpo.yaml", f"init.checkpoint={folder}/sft/model",
+        return ["--config", "configs/quickstart/grpo.yaml", "parallel.pipeline_model_parallel_size=2",
+                f"init.checkpoint={folder}/sft/model",
                 f"data.train_files=[{folder}/data/rl_train.jsonl]",
                 f"data.val_files=[{folder}/data/rl_val.jsonl]", "trainer.eval_every=0"]
     raise SystemExit(f"unknown setup {setup!r}")
@@ -116,7 +117,8 @@ def print_table(results: dict) -> None:
             print(f"{setup:<16} {mode:<6} {bound / 2 ** 20:>14.2f} "
                   f"{figures['first_sync_bytes'] / 2 ** 20:>9.2f} "
                   f"{figures['bytes_mean'] / 2 ** 20:>16.3f} {figures['bytes_max'] / 2 ** 20:>7.3f} "
-                  f"{figures['bytes_mean'] / bound:>10.2%} {figures['share_max']:>9.2%} "
+                  f"{figures['bytes_mean'] / bound if bound else math.nan:>10.2%} "
+                  f"{figures['share_max']:>9.2%} "
                   f"{figures['moved_share_mean']:>11.2%} "
                   f"{figures['seconds_median']:>7.3f} {ratio:>6.2f} "
                   f"{row['equal_steps']:>7}/{row['steps']}")
