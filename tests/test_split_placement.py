@@ -240,6 +240,7 @@ def test_an_episode_batch_taking_new_weights_keeps_its_generate_interval(tmp_pat
     from mcore_rl.observability.timeline import ROLLOUT_TIMELINE_FILE, Timeline
     from mcore_rl.rl.split import rollout_worker
     from mcore_rl.rl.split.protocol import Weights
+    from mcore_rl.rl.weight_sync import SyncFigures
 
     def episodes(runner, updating, records, sampling, max_prompt_tokens):
         time.sleep(0.05)
@@ -259,8 +260,8 @@ def test_an_episode_batch_taking_new_weights_keeps_its_generate_interval(tmp_pat
         max_prompt_tokens=None))
     worker.split = SimpleNamespace(side_group=None)
     worker.control = SimpleNamespace(poll=lambda: messages.pop() if messages else None)
-    worker.weight_sync = SimpleNamespace(sync=lambda _: (time.sleep(0.02), SimpleNamespace(
-        bytes_received=0, seconds=0.02, peak_extra_mb=0.0))[1])
+    worker.weight_sync = SimpleNamespace(sync=lambda _: (time.sleep(0.02), SyncFigures(
+        bytes_received=0, seconds=0.02, peak_extra_mb=0.0, delta_share=0.0))[1])
     worker.engine = SimpleNamespace(instance_group=None, shard_key=0, abort=nothing,
                                     add_requests=nothing, close=nothing,
                                     generated_lengths=lambda: {})

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 
-import torch
 import torch.distributed as dist
 
 from mcore_rl.config import JobConfig
@@ -33,9 +32,9 @@ from mcore_rl.runtime.model_rank import ModelRank
 from mcore_rl.runtime.worlds import SplitWorld
 
 from ..build import build_resharder, weight_plan
-from ..weight_sync import add_sync_metrics
 from ..data import TrainingData
 from ..experience import Rollout
+from ..weight_sync import add_sync_metrics
 from .protocol import Evaluate, Fetch, Share, Start, Stop, Weights
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 
-import torch
 import torch.distributed as dist
 
 from mcore_rl.agents.instance import run_on_instance
