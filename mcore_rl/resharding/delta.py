@@ -27,6 +27,9 @@ KINDS = ("full", "runs", "mask")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Integer dtype of each element size: the views compared bit for bit."""
 
+HEADER_LENGTH = 3
+"""Integers in a delta's header (`header`)."""
+
 _RUN_BYTES = 8 + 4
 """What one run costs besides its values: an int64 start and an int32 length."""
 

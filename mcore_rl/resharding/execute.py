@@ -43,7 +43,7 @@ import torch
 from ..runtime.model_rank import ModelRank
 from ..runtime.transport import Transport, WorldTransport
 from .layouts import TrainingLayout, layout_order
-from .messages import DeltaMessages, DeltaOptions, WholeMessages
+from .messages import DeltaMessages, DeltaOptions, Segment, WholeMessages
 from .plan import BucketEntry, ParamPlan, PlanError, ReshardPlan, Transfer
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,10 @@ class _Bucket:
     """Receiver rank -> runs this rank sends it, in packing order."""
     receives: dict[int, list[tuple[ParamPlan, Transfer]]]
     """Sender rank -> runs this rank receives from it, in packing order."""
+    send_segments: dict[int, list[Segment]]
+    """Receiver rank -> the message's runs as the messages see them (name, elements)."""
+    receive_segments: dict[int, list[Segment]]
+    """Sender rank -> the same for the message received."""
 
 
 def _run_shape(param: ParamPlan, length: int) -> tuple:
@@ -131,7 +135,11 @@ class Resharder:
                     offsets[run.src] = offsets.get(run.src, 0) + _run_elements(param, run)
             placements.append((param, mine))
         finished = {param.source for param, _ in entries if last_bucket[param.source] == index}
-        return _Bucket(index, placements, finished, sends, receives)
+        return _Bucket(index, placements, finished, sends, receives,
+                       {dst: [self._segment(p, run) for p, run in runs]
+                        for dst, runs in sorted(sends.items())},
+                       {src: [self._segment(p, run) for p, run in runs]
+                        for src, runs in sorted(receives.items())})
 
     # ----------------------------------------------------------------------------------------
 
@@ -218,12 +226,10 @@ class Resharder:
                                                         transfer.length)
                 packed[offset:offset + count].view(source.shape).copy_(source)
                 offset += count
-            sends[dst] = (packed, [self._segment(param, run) for param, run in runs])
-        receives = {src: [self._segment(param, run) for param, run in runs]
-                    for src, runs in sorted(bucket.receives.items())}
-        return self.messages.post(bucket.index, receives, sends)
+            sends[dst] = (packed, bucket.send_segments[dst])
+        return self.messages.post(bucket.index, bucket.receive_segments, sends)
 
-    def _segment(self, param: ParamPlan, run: Transfer) -> tuple[str, int]:
+    def _segment(self, param: ParamPlan, run: Transfer) -> Segment:
         """A run inside a message: its name in a checksum error (the engine's on the receiving
         side) and its element count."""
         spec = self.wanted.get(param.source)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.transport import Transport
-from .delta import (apply_delta, checksums, encode_delta, from_wire, full_delta, header, to_wire,
-                    wire_bytes)
+from .delta import (HEADER_LENGTH, apply_delta, checksums, encode_delta, from_wire, full_delta,
+                    header, to_wire, wire_bytes)
 
 Segment = tuple[str, int]
 """A parameter's run inside a message: (what to call it in an error, elements)."""
@@ -125,7 +125,7 @@ class DeltaMessages(WholeMessages):
         wires = {dst: to_wire(delta) for dst, delta in sorted(deltas.items()) if delta.nbytes}
         buffers = {}
         for src, segments in sorted(receives.items()):
-            size = wire_bytes(headers[src][:3], _elements(segments), self.dtype)
+            size = wire_bytes(headers[src][:HEADER_LENGTH], _elements(segments), self.dtype)
             if size:
                 buffers[src] = torch.empty(size, dtype=torch.uint8, device=self.transport.device)
         self.received_bytes += sum(buffer.numel() for buffer in buffers.values())
@@ -137,13 +137,13 @@ class DeltaMessages(WholeMessages):
         for handle in handles:
             handle.wait()
         held = {}
+        nothing = torch.empty(0, dtype=torch.uint8, device=self.transport.device)
         for src, segments in sorted(receives.items()):
-            empty = torch.empty(0, dtype=torch.uint8, device=self.transport.device)
-            delta = from_wire(headers[src][:3], _elements(segments), self.dtype,
-                              buffers.get(src, empty))
+            delta = from_wire(headers[src][:HEADER_LENGTH], _elements(segments), self.dtype,
+                              buffers.get(src, nothing))
             held[src] = self._apply(index, src, delta)
             if self.verifies:
-                self._verify(held[src], segments, headers[src][3:], src)
+                self._verify(held[src], segments, headers[src][HEADER_LENGTH:], src)
         return held
 
     # ----------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ class DeltaMessages(WholeMessages):
                 tensor, segments = sends[dst]
                 values = torch.cat([values, checksums(tensor, [n for _, n in segments])])
             outgoing[dst] = values
-        incoming = {src: torch.empty(3 + (len(segments) if self.verifies else 0),
+        incoming = {src: torch.empty(HEADER_LENGTH + (len(segments) if self.verifies else 0),
                                      dtype=torch.int64, device=device)
                     for src, segments in sorted(receives.items())}
         for handle in self.transport.post(incoming, outgoing, 2 * index + 1):
