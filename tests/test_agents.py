@@ -28,7 +28,8 @@ from mcore_rl.conversion.gguf_to_hf import SMOLLM2_FILE, smollm2_gguf_path
 from mcore_rl.data.records import PromptRecord
 from mcore_rl.rollout import FinishedSample, RolloutEngine
 
-TEMPLATES = os.path.join(os.path.dirname(__file__), "data", "chat_templates")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEMPLATES = os.path.join(REPO, "tests", "data", "chat_templates")
 ENVIRONMENT = "agent_environments:Lookup"
 QWEN_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
                     "<think>", "</think>"]
@@ -330,6 +331,81 @@ def test_plain_tools_the_python_tool_and_the_limits(smollm2):
     episode = completion.episode
     assert episode["observations_truncated"] == 1 and episode["tool_calls"] == 3
     assert episode["turns"] == 3 and completion.finish_reason == "length"  # max_turns
+
+
+def test_the_calculator_recipes_demonstrations_are_its_episodes_token_for_token(smollm2):
+    """scripts/smollm2_tools_recipe.sh: each SFT row of a demonstration, as `mcore-rl sft`
+    encodes it (prompt, response, end of sequence), is a prefix of the episode the same turns
+    make under RL with the recipe's config, the calculator answering in the sandbox; the
+    answer it reads is reasoning-gym's, which the task's own scorer gives 1."""
+    from mcore_rl.config import load_config
+    from mcore_rl.data.reasoning_gym_source import reasoning_gym_records
+    from mcore_rl.quickstart import tools_recipe
+    from mcore_rl.rewards.reasoning_gym_tasks import reasoning_gym_score
+    from mcore_rl.sft.data import Demonstration, encode_demonstrations
+
+    config = load_config(os.path.join(REPO, "configs", "grpo_smollm2_tools.yaml"))
+    assert config.rollout.multi_turn.tools == [tools_recipe.TOOL]
+    [question] = reasoning_gym_records(config.data.reasoning_gym, 1, seed=7)
+    demonstration = tools_recipe.demonstration(question)
+    rows = encode_demonstrations([Demonstration(row["prompt"], row["response"])
+                                  for row in tools_recipe.sft_rows([question])],
+                                 smollm2, "auto", 512).token_ids
+    runner = runner_for(smollm2, config.rollout.multi_turn)
+    try:
+        turns = [runner.chat.encode(message["content"]) + [runner.chat.end_of_turn_id]
+                 for message in demonstration if message["role"] == "assistant"]
+        generation = runner.run(ScriptedEngine(turns), [question], SamplingConfig(n=1, seed=0),
+                                512)
+    finally:
+        runner.close()
+    [completion] = generation.completions
+    episode = generation.prompts[0] + completion.token_ids
+    assert len(rows) == 2 and all(episode[:len(row)] == row for row in rows)
+    assert tool_messages(completion) == [str(question.ground_truth)]
+    assert completion.response_text == str(question.ground_truth)
+    assert reasoning_gym_score(question.data_source, completion.response_text,
+                               question.ground_truth, question.extra_info) == 1.0
+
+
+def test_the_calculator_computes_what_python_does_and_refuses_the_rest():
+    """Random expressions of every operator it reads against Python's own arithmetic; what is
+    not arithmetic, or too large to compute, is a ValueError the model reads."""
+    import random
+
+    from mcore_rl.agents.calculator import calculator
+
+    rng = random.Random(0)
+
+    def expression(depth: int) -> str:
+        if depth == 0 or rng.random() < 0.3:
+            return rng.choice([str(rng.randint(0, 999)), f"{rng.uniform(0, 99):.2f}"])
+        operator = rng.choice(["+", "-", "*", "/", "//", "%"])
+        left, right = expression(depth - 1), expression(depth - 1)
+        return rng.choice(["{} {} {}", "({} {} {})", "-{} {} {}"]).format(left, operator, right)
+
+    checked = 0
+    for _ in range(300):
+        text = expression(3)
+        try:
+            expected = eval(text)  # the reference: Python's arithmetic on a literal expression
+        except ZeroDivisionError:
+            with pytest.raises(ValueError, match="division by zero"):
+                calculator(text)
+            continue
+        value = float(calculator(text))
+        assert value == pytest.approx(expected, rel=1e-12, abs=1e-12), text
+        checked += 1
+    assert checked > 250
+    assert calculator("2 ** 10") == "1024" and calculator("7 / 2") == "3.5"
+    assert calculator("6 / 3") == "2"
+    for text, message in [("__import__('os').getcwd()", "unsupported"), ("x + 1", "unsupported"),
+                          ("'a' * 3", "unsupported"), ("3 +", "not an arithmetic expression"),
+                          ("9 ** 9 ** 9", "more than 100 digits"),
+                          ("9" * 60 + " * " + "9" * 60, "more than 100 digits"),
+                          ("1" * 300, "longer than 256 characters")]:
+        with pytest.raises(ValueError, match=message):
+            calculator(text)
 
 
 @pytest.mark.parametrize("environment,message", [

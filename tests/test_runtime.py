@@ -167,6 +167,37 @@ def test_cpu_compat_layer():
     run_world(1, _cpu_compat_checks)
 
 
+FREED_MEMORY_PROGRAM = textwrap.dedent("""
+    import resource, torch
+    from mcore_rl.runtime import cpu_compat
+    cpu_compat.apply()
+
+    def step():  # activations of several sizes up to 29 MiB, freed out of order
+        held = [torch.ones(mib << 18) for mib in (3, 17, 5, 29, 11, 2, 23)]
+        del held[::2]
+        held.clear()
+
+    step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        step()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+""")
+
+
+def test_cpu_runs_keep_freed_memory_instead_of_faulting_fresh_pages():
+    """After cpu_compat.apply() a step's tensors reuse the last step's memory: with glibc's
+    defaults (MCORE_RL_CPU_MALLOC=system) every step faults in the freed pages again."""
+    faults = {}
+    for setting in ("system", "kept"):
+        done = subprocess.run([sys.executable, "-c", FREED_MEMORY_PROGRAM], cwd=REPO,
+                              env=dict(os.environ, MCORE_RL_CPU_MALLOC=setting),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        faults[setting] = int(done.stdout.split()[-1])
+    assert faults["kept"] * 3 < faults["system"], faults
+
+
 def _refuse_with_cuda():
     torch.cuda.is_available = lambda: True
     from mcore_rl.runtime import cpu_compat

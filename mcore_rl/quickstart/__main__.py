@@ -1,15 +1,18 @@
 """`python -m mcore_rl.quickstart prepare|report|preference-report|prepare-agents|
-prepare-wide-teacher|distill-report DIR`: the quickstart's first and last steps
+prepare-tools|prepare-wide-teacher|distill-report DIR`: the quickstart's first and last steps
 (scripts/quickstart.sh runs the conversion, SFT and GRPO between them;
 scripts/preference_pipeline.sh SFT, a reward model, PPO and DPO; scripts/agents_example.sh the
-tool-use example's SFT and GRPO; scripts/distill_example.sh the distillation example)."""
+tool-use example's SFT and GRPO; scripts/smollm2_tools_recipe.sh the calculator recipe's;
+scripts/distill_example.sh the distillation example)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import agents_example, distill_example
+from . import agents_example, distill_example, tools_recipe
+from mcore_rl.config.load import load_config
+
 from .files import prepare, report
 from .preference_report import preference_report
 
@@ -18,14 +21,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mcore_rl.quickstart",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("step", choices=("prepare", "report", "preference-report",
-                                         "prepare-agents", "prepare-wide-teacher",
+                                         "prepare-agents", "prepare-tools",
+                                         "prepare-wide-teacher",
                                          "distill-report"))
     parser.add_argument("directory", help="the quickstart's directory (runs/quickstart)")
+    parser.add_argument("--config", help="prepare-tools: the GRPO config owning the task")
+    parser.add_argument("--demonstrations", type=int, default=64,
+                        help="prepare-tools: demonstrated episodes to write")
     args = parser.parse_args(argv)
     if args.step == "prepare":
         prepare(args.directory)
     elif args.step == "prepare-agents":
         agents_example.prepare(args.directory)
+    elif args.step == "prepare-tools":
+        if not args.config:
+            parser.error("prepare-tools needs --config (the recipe's GRPO config)")
+        tools_recipe.prepare(args.directory, load_config(args.config), args.demonstrations)
     elif args.step == "prepare-wide-teacher":
         distill_example.prepare_wide_teacher(args.directory)
     elif args.step == "distill-report":

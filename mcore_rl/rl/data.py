@@ -114,8 +114,11 @@ def load_training_data(config: JobConfig, dp_rank: int, dp_size: int) -> Trainin
     tokenizer = load_tokenizer(config)
     train = _encoded(config, "train", tokenizer)
     validation = _encoded(config, "val", tokenizer)
-    if config.trainer.eval_every:  # a job that never evaluates needs no prompt per rank
+    if config.trainer.evaluates:  # a job that never evaluates needs no prompt per rank
         check_validation_shards(len(validation.records), dp_size)
+    if config.trainer.val_only and not validation.records:
+        raise DataError("trainer.val_only=true evaluates the validation split, which is empty "
+                        "(data.val_files, data.toy.val_size or data.reasoning_gym.val_size)")
     sampler = PromptSampler(len(train.records), config.rollout.prompts_per_step, dp_rank,
                             dp_size, config.data.seed, config.data.shuffle)
     return TrainingData(train.records, train.token_ids, validation.records, validation.token_ids,
@@ -125,7 +128,7 @@ def load_training_data(config: JobConfig, dp_rank: int, dp_size: int) -> Trainin
 def check_validation_shards(prompts: int, dp_size: int) -> None:
     """DataError unless every data-parallel rank gets a validation prompt (or there are none):
     a rank without one cannot evaluate while its peers wait for it. Checked at load when the
-    job evaluates (trainer.eval_every), and again by every evaluation (`Trainer.evaluate`
+    job evaluates (trainer.eval_every or val_only), and again by every evaluation (`Trainer.evaluate`
     called by hand); every rank sees the same count, so all raise together."""
     if 0 < prompts < dp_size:
         raise DataError(
