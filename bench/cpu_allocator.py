@@ -1,14 +1,15 @@
 """Benchmark: CPU training steps with freed memory kept in the process vs glibc's defaults.
 
-    OMP_NUM_THREADS=1 python bench/cpu_allocator.py [--rounds 3] [--steps 6]
+    OMP_NUM_THREADS=1 python bench/cpu_allocator.py [--rounds 2] [--demonstrations 24]
 
 runtime/cpu_compat.py sets glibc's malloc to keep freed blocks (up to 32 MiB) in the heap and
-never trim it while a CPU run lives: by default every activation and logits tensor above
-128 KiB is returned to the system when freed, and the next micro-batch faults in freshly zeroed
-pages for it. Each round runs `mcore-rl smoke` (one rank, random tokens, a model of
-SmolLM2-135M's shape, random weights) twice, the two settings alternating (MCORE_RL_CPU_MALLOC=
-system for glibc's defaults); reported: the median step seconds of steps 2+ (the first step
-builds the optimizer state) and the process's system CPU seconds, and their ratios.
+not to trim it while a CPU run lives: by default a freed activation or logits block is returned
+to the system, and the next micro-batch faults in freshly zeroed pages for it. Each round runs
+the same `mcore-rl sft` job twice, the two settings alternating (MCORE_RL_CPU_MALLOC=system for
+glibc's defaults): SmolLM2-135M-Instruct (fp32, one rank) on the calculator recipe's
+demonstrations (scripts/smollm2_tools_recipe.sh), 16 rows a step in micro-batches of 8.
+Reported: the median step seconds after the first (which builds the optimizer state), the
+job's system CPU seconds, and the ratios; the losses must be equal (the same arithmetic).
 """
 
 from __future__ import annotations
@@ -20,64 +21,77 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOLLM2_SHAPE = ["model.num_layers=30", "model.hidden_size=576", "model.ffn_hidden_size=1536",
-                 "model.num_attention_heads=9", "model.num_kv_heads=3", "model.vocab_size=49152",
-                 "model.max_position_embeddings=2048", "model.tie_embeddings=true",
-                 "parallel.tensor_model_parallel_size=1",
-                 "parallel.pipeline_model_parallel_size=1"]
-STEP_LINE = re.compile(r"^step (\d+): .* (\d+) tokens/s$", re.MULTILINE)
+MODEL = os.path.join(REPO, "runs", "models", "smollm2-135m-instruct")
+STEP_LINE = re.compile(r"^step (\d+): sft/loss ([0-9.]+)  time/step ([0-9.]+)", re.MULTILINE)
+SETTINGS = ("glibc defaults", "kept (mcore_rl)")
 
 
-def run_smoke(setting: str, steps: int, seq_length: int) -> dict:
-    """One `mcore-rl smoke` run: median tokens/s of steps 2+, wall and system CPU seconds."""
-    environment = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT="29731", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                       LOCAL_WORLD_SIZE="1")
-    if setting == "glibc defaults":
+def prepare(work: str, demonstrations: int) -> str:
+    """The model folder (made from the GGUF when absent) and the demonstrations file."""
+    if not os.path.isdir(MODEL):
+        from mcore_rl.conversion.gguf_to_hf import gguf_to_hf, smollm2_gguf_path
+        gguf_to_hf(smollm2_gguf_path(), MODEL)
+    from mcore_rl.config import load_config
+    from mcore_rl.quickstart import tools_recipe
+
+    config = load_config(os.path.join(REPO, "configs", "grpo_smollm2_tools.yaml"))
+    tools_recipe.prepare(work, config, demonstrations)
+    return os.path.join(work, "demos_train.jsonl")
+
+
+def run_sft(setting: str, demonstrations: str, output: str) -> dict:
+    """One SFT job: its step seconds and losses, and the system CPU seconds of its processes."""
+    environment = dict(os.environ, OMP_NUM_THREADS="1", NPROC_PER_NODE="1",
+                       PYTHON=sys.executable)
+    if setting == SETTINGS[0]:
         environment["MCORE_RL_CPU_MALLOC"] = "system"
-    command = [sys.executable, "-m", "mcore_rl", "smoke", "--config",
-               os.path.join(REPO, "configs", "smoke.yaml"), *SMOLLM2_SHAPE,
-               f"smoke.steps={steps}", f"batch.seq_length={seq_length}",
-               "batch.global_batch_size=16", "batch.micro_batch_size=8",
-               "runtime.precision=fp32"]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
+    command = [os.path.join(REPO, "scripts", "torchrun.sh"), "sft", f"init.hf_path={MODEL}",
+               f"runtime.output_dir={output}", f"sft.train_files=[{demonstrations}]",
+               "sft.max_length=160", "sft.epochs=1", "sft.batch_size=16",
+               "sft.micro_batch_size=8", "runtime.precision=fp32", "trainer.console_every=1"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_stime
     result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    system_seconds = resource.getrusage(resource.RUSAGE_CHILDREN).ru_stime - before
     if result.returncode != 0:
-        raise SystemExit(f"smoke ({setting}) failed:\n{result.stderr[-3000:]}")
-    rates = [int(rate) for step, rate in STEP_LINE.findall(result.stdout) if int(step) >= 1]
-    return {"tokens_per_second": statistics.median(rates), "wall": wall,
-            "system_seconds": after.ru_stime - before.ru_stime}
+        raise SystemExit(f"sft ({setting}) failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    steps = STEP_LINE.findall(result.stdout)
+    return {"step_seconds": statistics.median(float(seconds) for _, _, seconds in steps[1:]),
+            "losses": [loss for _, loss, _ in steps], "system_seconds": system_seconds}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--demonstrations", type=int, default=24,
+                        help="demonstrated episodes: two rows each, 16 rows a step")
     args = parser.parse_args()
-    settings = ("glibc defaults", "kept (mcore_rl)")
-    runs = {setting: [] for setting in settings}
-    for round_index in range(args.rounds):
-        for setting in settings:
-            runs[setting].append(run_smoke(setting, args.steps, args.seq_length))
-            figures = runs[setting][-1]
-            print(f"round {round_index + 1} {setting}: {figures['tokens_per_second']} tokens/s, "
-                  f"{figures['system_seconds']:.1f} s system CPU", flush=True)
-    baseline = statistics.median(run["tokens_per_second"] for run in runs[settings[0]])
-    print(f"\n| malloc | tokens/s per round | median | ratio | system CPU s (median) |")
+    runs = {setting: [] for setting in SETTINGS}
+    with tempfile.TemporaryDirectory(prefix="bench_cpu_allocator_") as work:
+        demonstrations = prepare(work, args.demonstrations)
+        for round_index in range(args.rounds):
+            for setting in SETTINGS:
+                output = os.path.join(work, f"sft_{round_index}_{len(runs[setting])}_"
+                                            f"{SETTINGS.index(setting)}")
+                runs[setting].append(run_sft(setting, demonstrations, output))
+                figures = runs[setting][-1]
+                print(f"round {round_index + 1}, {setting}: {figures['step_seconds']:.2f} s a "
+                      f"step, {figures['system_seconds']:.1f} s system CPU", flush=True)
+    losses = {tuple(run["losses"]) for setting in SETTINGS for run in runs[setting]}
+    if len(losses) != 1:
+        raise SystemExit(f"the settings trained differently: losses {losses}")
+    baseline = statistics.median(run["step_seconds"] for run in runs[SETTINGS[0]])
+    print("\n| malloc | s a step, per round | median | speed-up | system CPU s (median) |")
     print("|---|---|---:|---:|---:|")
-    for setting in settings:
-        rates = [run["tokens_per_second"] for run in runs[setting]]
+    for setting in SETTINGS:
+        seconds = [run["step_seconds"] for run in runs[setting]]
         system = statistics.median(run["system_seconds"] for run in runs[setting])
-        print(f"| {setting} | {', '.join(str(rate) for rate in rates)} | "
-              f"{statistics.median(rates)} | {statistics.median(rates) / baseline:.2f}x | "
-              f"{system:.1f} |")
+        print(f"| {setting} | {', '.join(f'{value:.2f}' for value in seconds)} | "
+              f"{statistics.median(seconds):.2f} | {baseline / statistics.median(seconds):.2f}x "
+              f"| {system:.1f} |")
+    print(f"losses equal in every run: {', '.join(next(iter(losses)))}")
 
 
 if __name__ == "__main__":

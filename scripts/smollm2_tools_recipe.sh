@@ -9,12 +9,14 @@
 #      and turns on 256 questions before the first step, every 10 steps and after
 # Figures and why these settings: docs/agents.md ("A real model learns a calculator").
 #
-#   bash scripts/smollm2_tools_recipe.sh [extra mcore-rl train overrides]  # SMOLLM2_TOOLS_DIR moves it
+#   bash scripts/smollm2_tools_recipe.sh [extra mcore-rl train overrides]
+#       (SMOLLM2_TOOLS_DIR moves the demonstrations, the SFT weights and the GRPO run)
 #   bash scripts/smollm2_tools_recipe.sh runtime.seed=3 runtime.output_dir=/tmp/tools/grpo_s3
 #   bash scripts/smollm2_tools_recipe.sh --sft-only
 #   bash scripts/smollm2_tools_recipe.sh --no-tool MODEL   # the same held-out questions answered
-#       without the tool, in the plain recipe's setting (MODEL: an HF folder or an SFT/GRPO
-#       weights checkpoint, e.g. runs/models/smollm2-135m-instruct or $SMOLLM2_TOOLS_DIR/sft/model)
+#       without the tool, in the plain recipe's setting. MODEL: an HF folder (the instruct model,
+#       a GRPO run's export: trainer.export_hf_every=20 -> grpo/hf/step_00000020) or the SFT
+#       weights ($SMOLLM2_TOOLS_DIR/sft/model)
 # A rerun keeps the demonstrations and the SFT weights it finds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +34,8 @@ weights() { if [ -f "$1/config.json" ]; then echo "init.hf_path=$1"; else
 
 if [ "${1:-}" = "--no-tool" ]; then
   [ -n "${2:-}" ] || { echo "--no-tool needs a model folder" >&2; exit 2; }
-  PLAIN=$($PY -c "from mcore_rl.quickstart.tools_recipe import PLAIN_SYSTEM_PROMPT as p; print(p)")
+  PLAIN=$($PY -c "from mcore_rl.config import load_config; print(load_config(
+'configs/grpo_smollm2_reasoning_gym.yaml').data.reasoning_gym.system_prompt)")
   NAME=$(basename "$(dirname "$2")")_$(basename "$2")
   ranks train --config $CONFIG $(weights "$2") runtime.output_dir="$DIR/no_tool/$NAME" \
     "rollout.multi_turn.tools=[]" "data.reasoning_gym.system_prompt=$PLAIN" \

@@ -333,7 +333,8 @@ def test_plain_tools_the_python_tool_and_the_limits(smollm2):
     assert episode["turns"] == 3 and completion.finish_reason == "length"  # max_turns
 
 
-def test_the_calculator_recipes_demonstrations_are_its_episodes_token_for_token(smollm2):
+def test_the_calculator_recipes_demonstrations_are_its_episodes_token_for_token(smollm2,
+                                                                                  tmp_path):
     """scripts/smollm2_tools_recipe.sh: each SFT row of a demonstration, as `mcore-rl sft`
     encodes it (prompt, response, end of sequence), is a prefix of the episode the same turns
     make under RL with the recipe's config, the calculator answering in the sandbox; the
@@ -366,6 +367,10 @@ def test_the_calculator_recipes_demonstrations_are_its_episodes_token_for_token(
     assert completion.response_text == str(question.ground_truth)
     assert reasoning_gym_score(question.data_source, completion.response_text,
                                question.ground_truth, question.extra_info) == 1.0
+    tools_recipe.prepare(str(tmp_path), config, 3)
+    written = [json.loads(line) for line in open(tmp_path / "demos_train.jsonl")]
+    assert [row["response"] == call("calculator", expression=row["prompt"][-1]["content"][
+        len("Calculate "):-1]) for row in written] == [True, False] * 3
 
 
 def test_the_calculator_computes_what_python_does_and_refuses_the_rest():

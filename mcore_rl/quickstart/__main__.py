@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import agents_example, distill_example, tools_recipe
 from mcore_rl.config.load import load_config
 
+from . import agents_example, distill_example, tools_recipe
 from .files import prepare, report
 from .preference_report import preference_report
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "distill-report"))
     parser.add_argument("directory", help="the quickstart's directory (runs/quickstart)")
     parser.add_argument("--config", help="prepare-tools: the GRPO config owning the task")
-    parser.add_argument("--demonstrations", type=int, default=64,
+    parser.add_argument("--demonstrations", type=int,
                         help="prepare-tools: demonstrated episodes to write")
     args = parser.parse_args(argv)
     if args.step == "prepare":
@@ -34,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.step == "prepare-agents":
         agents_example.prepare(args.directory)
     elif args.step == "prepare-tools":
-        if not args.config:
-            parser.error("prepare-tools needs --config (the recipe's GRPO config)")
+        if not args.config or not args.demonstrations:
+            parser.error("prepare-tools needs --config (the recipe's GRPO config) and "
+                         "--demonstrations N")
         tools_recipe.prepare(args.directory, load_config(args.config), args.demonstrations)
     elif args.step == "prepare-wide-teacher":
         distill_example.prepare_wide_teacher(args.directory)

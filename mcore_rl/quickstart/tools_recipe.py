@@ -16,10 +16,7 @@ trains the tokens RL samples, each in its context. The tool's answer is computed
 itself and must equal reasoning-gym's answer, so a demonstration can never teach a wrong
 number.
 
-    <dir>/demos_train.jsonl, demos_val.jsonl     the tool demonstrations (rows per turn)
-    <dir>/plain_train.jsonl                      the same questions answered without the tool
-                                                 (the plain recipe's setting), for the no-tool
-                                                 baseline
+    <dir>/demos_train.jsonl, demos_val.jsonl     the demonstrations, one row per turn
 """
 
 from __future__ import annotations
@@ -39,9 +36,6 @@ DEMONSTRATION_SEED = 500_000
 """reasoning-gym seed of the demonstrations: neither the GRPO prompts' (data.reasoning_gym.seed,
 0) nor the held-out questions' (seed + 1e9)."""
 VALIDATION_DEMONSTRATIONS = 16
-PLAIN_SYSTEM_PROMPT = "Compute the result. Answer with just the number, no words."
-"""The plain recipe's system prompt (configs/grpo_smollm2_reasoning_gym.yaml): the no-tool
-baseline answers the same questions in that setting."""
 
 
 def call_text(expression: str) -> str:
@@ -74,13 +68,6 @@ def sft_rows(records: list[PromptRecord]) -> list[dict]:
     return rows
 
 
-def plain_rows(records: list[PromptRecord]) -> list[dict]:
-    """The same questions answered at once, without a tool, in the plain recipe's setting."""
-    return [{"prompt": [{"role": "system", "content": PLAIN_SYSTEM_PROMPT},
-                        *[message for message in record.prompt if message["role"] != "system"]],
-             "response": str(record.ground_truth)} for record in records]
-
-
 def prepare(directory: str, config: JobConfig, demonstrations: int) -> None:
     """Writes the demonstrations of `config`'s reasoning-gym task into `directory`."""
     if TOOL not in config.rollout.multi_turn.tools:
@@ -93,6 +80,5 @@ def prepare(directory: str, config: JobConfig, demonstrations: int) -> None:
     root = Path(directory)
     write_jsonl(str(root / "demos_train.jsonl"), sft_rows(train))
     write_jsonl(str(root / "demos_val.jsonl"), sft_rows(validation))
-    write_jsonl(str(root / "plain_train.jsonl"), plain_rows(train))
     print(f"prepare-tools: {demonstrations} demonstrated episodes ({2 * demonstrations} SFT "
           f"rows) and {VALIDATION_DEMONSTRATIONS} for validation in {root}")

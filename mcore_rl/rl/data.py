@@ -128,8 +128,9 @@ def load_training_data(config: JobConfig, dp_rank: int, dp_size: int) -> Trainin
 def check_validation_shards(prompts: int, dp_size: int) -> None:
     """DataError unless every data-parallel rank gets a validation prompt (or there are none):
     a rank without one cannot evaluate while its peers wait for it. Checked at load when the
-    job evaluates (trainer.eval_every or val_only), and again by every evaluation (`Trainer.evaluate`
-    called by hand); every rank sees the same count, so all raise together."""
+    job evaluates (trainer.eval_every or val_only), and again by every evaluation
+    (`Trainer.evaluate` called by hand); every rank sees the same count, so all raise
+    together."""
     if 0 < prompts < dp_size:
         raise DataError(
             f"the validation split (data.val_files, data.toy.val_size or data.reasoning_gym."
