@@ -104,7 +104,10 @@ def test_exported_adapter_loads_in_peft(runs):
     ids = full["input_ids"]
     with torch.no_grad():
         merged_logits, peft_logits = merged(ids).logits, adapted(ids).logits
-    assert (merged_logits - peft_logits).abs().max().item() <= 1e-5
+    # The same function in two fp32 orders, x(W + sBA) against xW + s(xA)B: the largest of
+    # the logits' differences was 1.01e-5 on one machine's MKL kernels (AMD zen), below 1e-5
+    # on another's.
+    assert (merged_logits - peft_logits).abs().max().item() <= 2e-5
     expected = torch.zeros_like(full["logprobs"])
     expected[:, 1:] = torch.log_softmax(peft_logits[:, :-1], dim=-1).gather(
         -1, ids[:, 1:, None]).squeeze(-1)
