@@ -245,9 +245,9 @@ SYSTEM_MALLOC_VARIABLE = "MCORE_RL_CPU_MALLOC"
 
 def _keep_freed_memory_in_the_process() -> None:
     """glibc's default returns a freed block above 128 KiB to the system, and the next step's
-    tensor of the same size faults in zeroed pages again; keeping them is 1.2-1.3x faster per
-    CPU training step (bench/cpu_allocator.py). No-op on a C library without mallopt (musl)
-    and with MCORE_RL_CPU_MALLOC=system."""
+    tensor of the same size faults in zeroed pages again; keeping them made a SmolLM2-135M
+    SFT step 1.20x faster (bench/cpu_allocator.py, docs/training.md). No-op on a C library
+    without mallopt (musl) and with MCORE_RL_CPU_MALLOC=system."""
     import ctypes
     import ctypes.util
 
