@@ -14,7 +14,7 @@ from pathlib import Path
 from mcore_rl.data.toy import DIGITS, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, write_word_tokenizer
 
 from .hidden_max import KEYS
-from .task import write_jsonl
+from .task import episode_sft_rows, write_jsonl
 from .tiny_model import write_tiny_llama
 
 DATA_SOURCE = "toy/max"
@@ -60,15 +60,8 @@ def demonstration(row: dict) -> list[dict]:
 
 
 def sft_rows(rows: list[dict]) -> list[dict]:
-    """One SFT row per assistant turn of each demonstration: the conversation before it as the
-    prompt, the turn as the response (its prompt + response + <eos> is a prefix of the episode's
-    tokens, so SFT trains exactly the tokens RL marks, each in its context)."""
-    result = []
-    for row in rows:
-        messages = demonstration(row)
-        result += [{"prompt": messages[:turn], "response": message["content"]}
-                   for turn, message in enumerate(messages) if message["role"] == "assistant"]
-    return result
+    """One SFT row per assistant turn of each row's demonstration."""
+    return [sft_row for row in rows for sft_row in episode_sft_rows(demonstration(row))]
 
 
 def prepare(directory: str) -> None:

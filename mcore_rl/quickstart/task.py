@@ -48,6 +48,15 @@ def sft_rows(pairs: list[tuple[str, str]]) -> list[dict]:
     return [{"prompt": prompt, "response": answer} for prompt, answer in pairs]
 
 
+def episode_sft_rows(messages: list[dict]) -> list[dict]:
+    """One `mcore-rl sft` row per assistant turn of a demonstrated episode: the conversation
+    before it as the prompt, the turn as the response (its prompt + response + end of sequence
+    is a prefix of the episode's tokens, so SFT trains exactly the tokens RL marks, each in its
+    context)."""
+    return [{"prompt": messages[:turn], "response": message["content"]}
+            for turn, message in enumerate(messages) if message["role"] == "assistant"]
+
+
 def preference_rows(pairs: list[tuple[str, str]]) -> list[dict]:
     """Preference rows for `mcore-rl rm` and `mcore-rl dpo`: each question's answer chosen over
     every one of the nine wrong digits. A reward model that PPO maximises must rank the answer

@@ -29,7 +29,7 @@ from mcore_rl.config.job import JobConfig
 from mcore_rl.data.reasoning_gym_source import ENTRY_KEY, reasoning_gym_records
 from mcore_rl.data.records import PromptRecord
 
-from .task import write_jsonl
+from .task import episode_sft_rows, write_jsonl
 
 TOOL = "mcore_rl.agents.calculator:calculator"
 DEMONSTRATION_SEED = 500_000
@@ -60,12 +60,7 @@ def demonstration(record: PromptRecord) -> list[dict]:
 
 def sft_rows(records: list[PromptRecord]) -> list[dict]:
     """One SFT row per assistant turn of each record's demonstration."""
-    rows = []
-    for record in records:
-        messages = demonstration(record)
-        rows += [{"prompt": messages[:turn], "response": message["content"]}
-                 for turn, message in enumerate(messages) if message["role"] == "assistant"]
-    return rows
+    return [row for record in records for row in episode_sft_rows(demonstration(record))]
 
 
 def prepare(directory: str, config: JobConfig, demonstrations: int) -> None:
