@@ -129,8 +129,9 @@ class TrainerConfig:
     after the last); 0: never."""
 
     val_only: bool = False
-    """Evaluate the starting weights on the validation prompts and stop before the first step
-    (verl's trainer.val_only): a baseline's figures in eval.jsonl at step 0."""
+    """Evaluate the starting weights on the validation prompts (a resumed run's: its
+    checkpoint's) and stop before training (verl's trainer.val_only): a baseline's figures in
+    eval.jsonl at the step it starts from."""
 
     reward_hacking: RewardHackingConfig = field(default_factory=RewardHackingConfig)
     """Thresholds of the reward-hacking warning checked at each evaluation."""

@@ -255,14 +255,15 @@ class Trainer:
     def fit(self) -> list[dict]:
         """Train until trainer.total_steps (continuing a resumed run), evaluating before the
         first step, every trainer.eval_every steps and after the last; returns the metrics of
-        the steps run here (none with trainer.val_only: the first evaluation, then stop). Rank
+        the steps run here (none with trainer.val_only: one evaluation, then stop). Rank
         0 then draws the run's plots (trainer.plots)."""
         history = []
         total_steps = self.config.trainer.total_steps
-        if self.config.trainer.evaluates and self.step == 0:
+        if self.config.trainer.val_only:  # the weights it starts from, resumed ones included
             self._evaluate_and_log()
-        if self.config.trainer.val_only:
             return history
+        if self.config.trainer.eval_every and self.step == 0:
+            self._evaluate_and_log()
         with progress(total=total_steps, initial=self.step, desc="train", unit="step") as bar:
             while self.step < total_steps and not self.selection.stopped:
                 history.append(self.train_step())
